@@ -1,0 +1,45 @@
+# Everything installs from nothing: a machine with Python >= 3.10 and pip is enough.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export DS_ACCELERATOR ?= cpu
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install run test test-fast lint format bench clean
+
+install: $(STAMP)
+
+# torch is installed first and pinned through constraints.txt for every later step, so no
+# CUDA wheels are ever pulled on a CPU machine.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt torch
+	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,dev]"
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -c constraints.txt --no-build-isolation "deepspeed>=0.15"
+	@$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), v; print('torch', v)"
+	touch $(STAMP)
+
+run: install
+	$(BIN)/fw train task=gpt
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install
+	$(BIN)/python -m benchmarks.overhead
+	$(BIN)/python -m benchmarks.startup
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

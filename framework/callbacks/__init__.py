@@ -1,0 +1,1 @@
+"""Callback plugins: each builds one lightning Callback; entries are named in `callbacks.*`."""

@@ -1,0 +1,22 @@
+"""`callbacks.lr_monitor`: logs the learning rate of every optimizer as `lr-<name>`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from framework.config.fields import doc
+
+
+@dataclass
+class Config:
+    """Log learning rates."""
+
+    kind: str = doc("lr_monitor", "Callback plugin.")
+    logging_interval: str = doc("step", "Log at every step or every epoch.", ("step", "epoch"))
+
+
+def build(cfg: Config, run_dir: Path):
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    return LearningRateMonitor(logging_interval=cfg.logging_interval)

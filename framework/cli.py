@@ -1,0 +1,94 @@
+"""The `fw` command: `fw train [OVERRIDES]`, `fw config [OVERRIDES]`, `fw --help`.
+
+Configuration and usage errors print one paragraph and exit with code 2; a failing worker prints
+which rank failed and why, and exits with code 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from framework.errors import ConfigError
+
+USAGE = """\
+usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per swept value)
+       fw config [--config-dir DIR] [KEY=VALUE ...]       show the composed config, documented
+       fw --help | fw train --help
+
+Examples:
+  fw train task=gpt strategy=ddp trainer.devices=2 trainer.max_steps=200 run.dir=runs/first
+  fw train -m seed=1,2 trainer.devices=2
+  fw config task=gpt
+"""
+
+EXIT_CONFIG = 2
+EXIT_FAILED = 1
+
+
+def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
+    """(multirun, extra config dirs, overrides, help wanted) from the words after the command."""
+    multirun, dirs, overrides, want_help = False, [], [], False
+    words = iter(args)
+    for word in words:
+        if word in ("-m", "--multirun"):
+            multirun = True
+        elif word in ("-h", "--help"):
+            want_help = True
+        elif word == "--config-dir" or word.startswith("--config-dir="):
+            value = word.partition("=")[2] or next(words, None)
+            if not value or not Path(value).is_dir():
+                raise ConfigError("--config-dir", value, "not a directory")
+            dirs.append(Path(value))
+        elif word.startswith("-") and not word.startswith("--config-dir"):
+            raise ConfigError("option", word, "unknown option", ["-m", "--multirun", "--config-dir", "--help"])
+        else:
+            overrides.append(word)
+    return multirun, dirs, overrides, want_help
+
+
+def main(argv: list[str] | None = None) -> int:
+    from framework.logs import setup_logging
+
+    argv = sys.argv[1:] if argv is None else argv
+    setup_logging()
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0 if argv else EXIT_CONFIG
+    command, rest = argv[0], argv[1:]
+    try:
+        multirun, dirs, overrides, want_help = parse_args(rest)
+        if command == "train":
+            if want_help:
+                from framework.help import train_help
+
+                sys.stdout.write(train_help(dirs))
+                return 0
+            from framework.runner import train
+
+            train(overrides, multirun=multirun, extra_dirs=dirs)
+            return 0
+        if command == "config":
+            from framework.help import show_config
+
+            sys.stdout.write(show_config(overrides, dirs))
+            return 0
+        raise ConfigError("command", command, "unknown command", ["train", "config"])
+    except ConfigError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except Exception as err:
+        from framework.launchers.local import WorkerFailure
+
+        if isinstance(err, WorkerFailure):
+            logging.getLogger("framework").error("Job failed:\n%s", err)
+            return EXIT_FAILED
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Compose the job config with Hydra's compose API, and turn Hydra's errors into ConfigErrors.
+
+The `fw` process is the only one that composes: no `@hydra.main`, so Hydra neither changes the
+working directory, nor creates `outputs/`, nor configures logging. Multirun sweeps
+(`fw train -m seed=1,2`) are expanded here into one override list per job.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from framework.config.store import register
+from framework.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+PRIMARY = "train"
+GROUPS = ("task", "strategy", "trainer", "logger", "callbacks", "launcher", "experiment", "debug")
+
+
+def search_dirs(extra: list[Path] | None = None) -> list[Path]:
+    """Config directories, user ones first so they can shadow built-in options."""
+    return [*(Path(p).resolve() for p in extra or []), CONF_DIR]
+
+
+def group_options(group: str, extra: list[Path] | None = None) -> list[str]:
+    """YAML options of a config group across all search directories."""
+    names = set()
+    for root in search_dirs(extra):
+        names.update(p.stem for p in (root / group).glob("*.yaml"))
+    return sorted(names)
+
+
+def parse_overrides(overrides: list[str]):
+    try:
+        return OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as err:
+        bad = next((o for o in overrides if "=" not in o and not o.startswith("~")), overrides[-1])
+        raise ConfigError(
+            "override",
+            bad,
+            "not a valid override",
+            hint="Write overrides as key=value (e.g. trainer.max_steps=100), "
+            "+key=value to add a key, ~key to delete one.",
+        ) from err
+
+
+def expand_sweeps(overrides: list[str]) -> list[list[str]]:
+    """One override list per job: the cartesian product of every swept value (`a=1,2`)."""
+    axes = []
+    for o in parse_overrides(overrides):
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            axes.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def check_group_choices(overrides: list[str], extra: list[Path] | None = None) -> None:
+    """Name the group and its options when an override selects an option that does not exist."""
+    for o in parse_overrides(overrides):
+        key = o.key_or_group.lstrip("+~")
+        if key not in GROUPS or o.is_delete():
+            continue
+        value = o.value()
+        chosen = value if isinstance(value, list) else [value]
+        valid = group_options(key, extra)
+        for option in chosen:
+            if option is not None and str(option) not in valid:
+                raise ConfigError(key, option, f"no such option in group '{key}'", valid)
+
+
+def compose_config(overrides: list[str], extra_dirs: list[Path] | None = None) -> DictConfig:
+    """The composed (not yet resolved) config of one job, or a ConfigError."""
+    register()
+    if any(o.is_sweep_override() for o in parse_overrides(overrides)):
+        raise ConfigError(
+            "override", " ".join(overrides), "sweeps (a=1,2) need multirun", hint="Add -m."
+        )
+    check_group_choices(overrides, extra_dirs)
+    searchpath = [f"file://{p}" for p in search_dirs(extra_dirs)[:-1]]
+    hydra_overrides = [f"hydra.searchpath=[{','.join(searchpath)}]"] if searchpath else []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="fw"):
+            cfg = compose(PRIMARY, overrides=hydra_overrides + list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise translate(err, overrides) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg
+
+
+def translate(err: Exception, overrides: list[str]) -> ConfigError:
+    """A one-paragraph ConfigError for a Hydra/OmegaConf composition failure."""
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        key = cause.full_key
+        value = _given(key, overrides)
+        first = str(cause).splitlines()[0]
+        parent = getattr(cause, "parent_node", None)
+        if "not in" in first or "not in struct" in first:
+            choices = list(parent.keys()) if isinstance(parent, DictConfig) else None
+            return ConfigError(
+                key, value, "no such key", choices, hint=_add_hint(key), near=key.split(".")[-1]
+            )
+        return ConfigError(key, value, first.rstrip(".").replace("Value ", "value ", 1))
+    if isinstance(err, MissingConfigException):
+        first = str(err).splitlines()[0]
+        return ConfigError("defaults", " ".join(overrides), first)
+    return ConfigError("config", " ".join(overrides), str(err).splitlines()[0].rstrip("."))
+
+
+def _given(key: str, overrides: list[str]) -> str:
+    for o in overrides:
+        name, _, value = o.lstrip("+~").partition("=")
+        if name == key:
+            return value
+    return "?"
+
+
+def _add_hint(key: str) -> str | None:
+    if key.startswith(("task.model.", "task.data.", "task.optimizer.", "callbacks.", "logger.")):
+        return f"To pass a new argument on purpose, write +{key}=VALUE."
+    return None

@@ -1,0 +1,110 @@
+"""Schemas of the config groups that belong to the framework itself.
+
+Strategy, logger and callback schemas live next to the code that uses them (one module per plugin)
+and are registered by `framework.config.store`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+from framework.config.fields import doc
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
+SCHEDULERS = ("constant", "cosine", "linear")
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule applied by TaskModule.configure_optimizers, stepped every optimizer step."""
+
+    name: str = doc("constant", "Shape of the schedule after warm-up.", SCHEDULERS)
+    warmup_steps: int = doc(0, "Steps of linear warm-up from 0 to the optimizer's lr.")
+    min_lr_ratio: float = doc(0.1, "Final lr as a fraction of the peak (cosine and linear).")
+
+
+@dataclass
+class TaskConfig:
+    """The user's task: a LightningModule class, its arguments, its data and its optimizer."""
+
+    _target_: str = doc(MISSING, "Dotted path of the task class (a LightningModule).")
+    model: dict[str, Any] = doc(
+        {}, "Keyword arguments of the task class, checked against its signature."
+    )
+    data: dict[str, Any] = doc(
+        {}, "`_target_` (a LightningDataModule class) and its keyword arguments."
+    )
+    optimizer: dict[str, Any] = doc(
+        {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.01},
+        "`_target_` (an optimizer class) and its keyword arguments; used by TaskModule tasks.",
+    )
+    scheduler: SchedulerConfig = doc(
+        SchedulerConfig(), "Learning-rate schedule (TaskModule tasks)."
+    )
+
+
+@dataclass
+class TrainerConfig:
+    """Settings passed to lightning.Trainer."""
+
+    accelerator: str = doc(
+        "auto", "Device type; auto picks cuda when present, else cpu.", ACCELERATORS
+    )
+    devices: int = doc(1, "Processes (one per device) on each node.")
+    num_nodes: int = doc(1, "Number of machines.")
+    precision: str = doc("32-true", "Numeric precision of parameters and compute.", PRECISIONS)
+    max_steps: int = doc(-1, "Stop after this many optimizer steps (-1: no step limit).")
+    max_epochs: int | None = doc(
+        None, "Stop after this many epochs (None: unlimited if max_steps is set, else 1)."
+    )
+    val_check_interval: Any = doc(
+        None, "Validate every N training batches (int) or fraction of an epoch (float)."
+    )
+    check_val_every_n_epoch: int | None = doc(1, "Validate every N epochs (None: by step only).")
+    limit_train_batches: Any = doc(
+        None, "Use only this many (int) or this fraction (float) of batches."
+    )
+    limit_val_batches: Any = doc(
+        None, "Validate on this many (int) or this fraction (float) of batches."
+    )
+    num_sanity_val_steps: int = doc(
+        0, "Validation batches run before training to catch bugs early."
+    )
+    log_every_n_steps: int = doc(10, "Write training metrics every N optimizer steps.")
+    accumulate_grad_batches: int = doc(1, "Batches whose gradients are summed before each step.")
+    gradient_clip_val: float | None = doc(None, "Clip gradients to this value (None: no clipping).")
+    gradient_clip_algorithm: str = doc("norm", "How gradients are clipped.", ("norm", "value"))
+    deterministic: bool = doc(False, "Use deterministic algorithms (bitwise repeatable runs).")
+    benchmark: bool | None = doc(None, "cudnn.benchmark (None: Lightning's default).")
+    enable_progress_bar: bool = doc(True, "Show a progress bar on the console (rank 0).")
+    enable_model_summary: bool = doc(True, "Print a table of the model's layers at start.")
+    overfit_batches: float = doc(0.0, "Train and validate on this many batches only (debugging).")
+    fast_dev_run: int = doc(0, "Run N train and val batches once, with no logging or checkpoints.")
+    profiler: str | None = doc(None, "Lightning profiler.", (None, "simple", "advanced", "pytorch"))
+    detect_anomaly: bool = doc(False, "Enable autograd anomaly detection (slow).")
+
+
+@dataclass
+class RunConfig:
+    """Where a run keeps its outputs."""
+
+    dir: str | None = doc(None, "Run directory (None: runs/<date>_<time>).")
+    name: str | None = doc(None, "Display name of the run (None: the run directory's name).")
+
+
+@dataclass
+class TrainConfig:
+    """The whole job: one composed, validated, resolved config per run directory."""
+
+    task: TaskConfig = doc(MISSING, "The task to train (group `task`).")
+    strategy: Any = doc(MISSING, "How the work is spread over processes (group `strategy`).")
+    trainer: TrainerConfig = doc(TrainerConfig(), "Trainer settings (group `trainer`).")
+    logger: dict[str, Any] = doc({}, "Experiment loggers by name (group `logger`).")
+    callbacks: dict[str, Any] = doc({}, "Callbacks by name (group `callbacks`).")
+    launcher: Any = doc(MISSING, "How processes are started (group `launcher`).")
+    run: RunConfig = doc(RunConfig(), "Run directory and name.")
+    seed: int = doc(0, "Seed of every random generator (python, numpy, torch, data order).")

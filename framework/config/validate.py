@@ -1,0 +1,225 @@
+"""Checks run in the `fw` process after composing and before anything is written or started.
+
+Each check raises ConfigError naming the key, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from framework.config.fields import field_choices
+from framework.errors import ConfigError
+from framework.plugins import load_plugin
+from framework.world import World, cuda_device_count
+
+NAMED_FAMILIES = ("logger", "callbacks")  # groups whose entries are `name: {kind or _target_}`
+
+
+def validate(cfg: DictConfig) -> World:
+    """Validate a composed config; returns the process layout it asks for."""
+    check_choices(cfg, "")
+    world = check_world(cfg)
+    plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
+    if hasattr(plugin, "validate"):
+        plugin.validate(cfg.strategy, world)
+    launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
+    if hasattr(launcher, "validate"):
+        launcher.validate(cfg.launcher, world)
+    for family in NAMED_FAMILIES:
+        for name, entry in (cfg.get(family) or {}).items():
+            check_named_entry(family, name, entry, world)
+    check_task(cfg.task)
+    return world
+
+
+def check_choices(node: Any, prefix: str) -> None:
+    """Every field that declares valid choices holds one of them, at any depth."""
+    if not isinstance(node, DictConfig):
+        return
+    schema = OmegaConf.get_type(node)
+    for key in node:
+        path = f"{prefix}{key}"
+        value = node._get_node(key)._value() if node._get_node(key) is not None else None
+        if dataclasses.is_dataclass(schema):
+            choices = field_choices(schema, str(key))
+            if choices is not None and value not in choices:
+                raise ConfigError(
+                    path, value, "not a valid choice", ["null" if c is None else c for c in choices]
+                )
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            check_choices(child, f"{path}.")
+
+
+def check_world(cfg: DictConfig) -> World:
+    trainer = cfg.trainer
+    for key in ("devices", "num_nodes"):
+        if trainer[key] < 1:
+            raise ConfigError(f"trainer.{key}", trainer[key], "must be at least 1")
+    world = World.planned(trainer)
+    if world.is_cuda:
+        available = cuda_device_count()
+        if trainer.accelerator in ("gpu", "cuda") and available == 0:
+            raise ConfigError(
+                "trainer.accelerator",
+                trainer.accelerator,
+                "no CUDA device is available",
+                ["cpu", "auto"],
+            )
+        if world.devices > available:
+            raise ConfigError(
+                "trainer.devices",
+                world.devices,
+                f"more than the {available} CUDA devices of this machine",
+                [str(n) for n in range(1, available + 1)],
+            )
+    else:
+        per_core = int(cfg.launcher.get("processes_per_core", 2))
+        limit = (os.cpu_count() or 1) * per_core
+        if world.devices > limit:
+            raise ConfigError(
+                "trainer.devices",
+                world.devices,
+                f"more CPU processes than this machine allows ({os.cpu_count()} cores x "
+                f"launcher.processes_per_core={per_core})",
+                [str(n) for n in range(1, limit + 1)],
+            )
+    return world
+
+
+def check_named_entry(family: str, name: str, entry: Any, world: World) -> None:
+    key = f"{family}.{name}"
+    if entry is None:
+        return  # disabled with `{family}.{name}=null`
+    if not isinstance(entry, DictConfig) or ("kind" not in entry and "_target_" not in entry):
+        raise ConfigError(
+            key, entry, "an entry needs `kind` (a built-in plugin) or `_target_` (a class)"
+        )
+    if "_target_" in entry:
+        import_target(f"{key}._target_", entry._target_)
+        return
+    plugin = load_plugin(family, entry.kind, f"{key}.kind")
+    if hasattr(plugin, "validate"):
+        plugin.validate(entry, world)
+
+
+def import_target(key: str, path: str) -> Any:
+    """The object a dotted path names, or a ConfigError."""
+    module_name, _, attr = str(path).rpartition(".")
+    try:
+        module = importlib.import_module(module_name) if module_name else None
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            raise ConfigError(
+                key,
+                path,
+                f"module '{err.name}' cannot be imported",
+                hint="Check the spelling and that the package is installed.",
+            ) from None
+        raise
+    if module is None or not hasattr(module, attr):
+        members = sorted(n for n in dir(module) if not n.startswith("_")) if module else []
+        raise ConfigError(key, path, "no such class", [f"{module_name}.{m}" for m in members])
+    return getattr(module, attr)
+
+
+def check_task(task: DictConfig) -> None:
+    """Import the task, data and optimizer classes; check their arguments against signatures."""
+    import lightning.pytorch as pl
+
+    cls = import_target("task._target_", task._target_)
+    if not (inspect.isclass(cls) and issubclass(cls, pl.LightningModule)):
+        raise ConfigError("task._target_", task._target_, "not a LightningModule subclass")
+    check_arguments("task.model", cls, task.model)
+    if "_target_" not in task.data:
+        raise ConfigError("task.data._target_", None, "missing: name the LightningDataModule class")
+    data_args = {k: v for k, v in task.data.items() if k != "_target_"}
+    data_cls = import_target("task.data._target_", task.data._target_)
+    if not (inspect.isclass(data_cls) and issubclass(data_cls, pl.LightningDataModule)):
+        raise ConfigError(
+            "task.data._target_", task.data._target_, "not a LightningDataModule subclass"
+        )
+    check_arguments("task.data", data_cls, data_args)
+    opt_args = {k: v for k, v in task.optimizer.items() if k != "_target_"}
+    opt_cls = import_target("task.optimizer._target_", task.optimizer._target_)
+    check_arguments("task.optimizer", opt_cls, opt_args, skip=("params",))
+    for prefix, owner, args in (
+        ("task.model", cls, task.model),
+        ("task.data", data_cls, data_args),
+    ):
+        hook = getattr(owner, "validate_config", None)
+        if callable(hook):
+            hook(prefix, OmegaConf.to_container(OmegaConf.create(dict(args)), resolve=True))
+
+
+def check_arguments(prefix: str, cls: type, args: Any, skip: tuple[str, ...] = ()) -> None:
+    """Every argument is a parameter of `cls.__init__` with a value of the annotated type."""
+    params = {n: p for n, p in inspect.signature(cls).parameters.items() if n not in skip}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # unresolvable annotations: check names only
+        hints = {}
+    named = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    for name in args:
+        if name not in params and not takes_any:
+            raise ConfigError(
+                f"{prefix}.{name}",
+                args[name],
+                f"not an argument of {cls.__name__}",
+                named,
+                near=str(name),
+            )
+        value = args[name]
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        if name in hints and not matches(value, hints[name]):
+            raise ConfigError(f"{prefix}.{name}", value, f"expected {type_name(hints[name])}")
+    for name, p in params.items():
+        if (
+            p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and name not in args
+        ):
+            raise ConfigError(
+                f"{prefix}.{name}",
+                None,
+                f"required argument of {cls.__name__} is missing",
+                hint=f"Set it with +{prefix}.{name}=VALUE.",
+            )
+
+
+def matches(value: Any, hint: Any) -> bool:
+    """A lenient runtime type check for config values (ints pass as floats, lists as tuples)."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return any(matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple, typing.Sequence, __import__("collections.abc").abc.Sequence):
+        return isinstance(value, (list, tuple))
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (Path, os.PathLike):
+        return isinstance(value, (str, Path))
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

@@ -1,0 +1,39 @@
+"""Data helpers: loaders whose sample order is the same for any number of processes."""
+
+from __future__ import annotations
+
+import os
+
+from torch.utils.data import DataLoader, Dataset
+
+from framework.data.sampler import GlobalOrderSampler
+
+__all__ = ["GlobalOrderSampler", "make_loader"]
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    shuffle: bool,
+    seed: int | None = None,
+    drop_last: bool | None = None,
+    num_workers: int = 0,
+) -> DataLoader:
+    """A DataLoader over this rank's share of one global order.
+
+    `batch_size` is per process. `seed` defaults to the run's seed (set by the runner through
+    Lightning's seed_everything); training loaders drop the ragged tail, evaluation loaders pad it
+    with at most world_size - 1 repeated samples so every rank runs the same number of batches.
+    """
+    if seed is None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    drop = shuffle if drop_last is None else drop_last
+    sampler = GlobalOrderSampler(len(dataset), shuffle=shuffle, seed=seed, drop_last=drop)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+    )

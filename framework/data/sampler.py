@@ -1,0 +1,66 @@
+"""A distributed sampler whose order depends only on (seed, epoch), never on the process count.
+
+Every epoch has one global order (a seeded permutation, or 0..n-1 without shuffling). Rank r of W
+takes positions r, r+W, r+2W, ... of it, so the W per-rank batches of one step together hold
+exactly the samples a single process would take with a W times larger batch. A `start` offset
+(samples already consumed this epoch, across all ranks) lets a run continue mid-epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+
+class GlobalOrderSampler(DistributedSampler):
+    """Shards one seeded global order over ranks; a DistributedSampler so Lightning keeps it."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        # DistributedSampler.__init__ needs a dataset; only the attributes matter here.
+        ready = dist.is_available() and dist.is_initialized()
+        self.num_replicas = (
+            num_replicas if num_replicas is not None else (dist.get_world_size() if ready else 1)
+        )
+        self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
+        self.total = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start = 0
+
+    def global_order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.total)
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.total, generator=generator)
+
+    def _remaining(self) -> torch.Tensor:
+        rest = self.global_order()[self.start :]
+        world = self.num_replicas
+        if self.drop_last:
+            return rest[: len(rest) - len(rest) % world]
+        pad = (-len(rest)) % world
+        return torch.cat([rest, rest[:pad]]) if pad and len(rest) else rest
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._remaining()[self.rank :: self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return len(self._remaining()) // self.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0
+        self.epoch = epoch

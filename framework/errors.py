@@ -1,0 +1,45 @@
+"""The one exception type for mistakes a user can make in a config or on the command line."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+
+class ConfigError(Exception):
+    """A configuration or usage error: printed as one paragraph by the CLI, exit code 2."""
+
+    def __init__(
+        self,
+        key: str,
+        value: Any,
+        problem: str,
+        choices: Iterable[Any] | None = None,
+        hint: str | None = None,
+        near: str | None = None,
+    ) -> None:
+        self.key = key
+        self.value = value
+        self.problem = problem
+        self.choices = [str(c) for c in choices] if choices is not None else None
+        self.hint = hint
+        self.near = near if near is not None else str(value)
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        parts = [f"{self.key}={_short(self.value)}: {self.problem}."]
+        if self.choices is not None:
+            close = difflib.get_close_matches(self.near, self.choices, n=1)
+            if close:
+                parts.append(f"Did you mean '{close[0]}'?")
+            listed = ", ".join(self.choices) if self.choices else "(none)"
+            parts.append(f"Valid choices: {listed}.")
+        if self.hint:
+            parts.append(self.hint)
+        return " ".join(parts)
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."

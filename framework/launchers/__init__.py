@@ -1,0 +1,1 @@
+"""Launcher plugins: how the worker processes of a job are started."""

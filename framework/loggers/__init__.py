@@ -1,0 +1,1 @@
+"""Logger plugins: each builds a lightning Logger for the run directory."""

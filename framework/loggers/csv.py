@@ -1,0 +1,27 @@
+"""`logger=csv`: metrics.csv in the run directory, one row per logged step.
+
+Lightning's CSVLogger writes one row per `log_metrics` call, so a step that logs training and
+validation metrics gets two rows. This logger merges everything logged at one step into one row,
+rewrites the header when a new metric appears, and only ever runs on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from framework.config.fields import doc
+
+
+@dataclass
+class Config:
+    """Metrics as CSV in the run directory."""
+
+    kind: str = doc("csv", "Logger plugin.")
+    filename: str = doc("metrics.csv", "File name inside the run directory.")
+
+
+def build(cfg: Config, run_dir: Path, run_name: str):
+    from framework.loggers._step_csv import StepCSVLogger
+
+    return StepCSVLogger(Path(run_dir) / cfg.filename, name=run_name)

@@ -1,0 +1,36 @@
+"""Console logging for the `fw` process and the workers: rank-zero aware, noise filtered."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+NOISE = ("💡 Tip:",)
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(NOISE)
+
+
+def setup_logging(rank: int | None = None) -> None:
+    """`framework` logs at INFO on rank 0 (WARNING elsewhere); known third-party noise is dropped."""
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    logger = logging.getLogger("framework")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[fw] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_utilities"):
+        lg = logging.getLogger(name)
+        lg.addFilter(_DropNoise())
+        for h in lg.handlers:
+            h.addFilter(_DropNoise())
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)`.*")

@@ -1,0 +1,159 @@
+"""`fw train`: compose -> validate -> resolve -> run directory -> launch workers -> fit.
+
+Everything that can be wrong with a config is found before anything is written or started; then
+each job gets its own run directory holding the frozen `config.yaml` that its workers read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from framework.config.compose import compose_config, expand_sweeps
+from framework.config.validate import validate
+from framework.errors import ConfigError
+from framework.plugins import load_plugin
+from framework.world import World
+
+log = logging.getLogger("framework.runner")
+
+
+@dataclass
+class Job:
+    """One training run: its resolved config, process layout and run directory."""
+
+    cfg: DictConfig
+    world: World
+    run_dir: Path
+
+
+def external_job_id() -> str | None:
+    """The id of an enclosing torchrun or SLURM job whose processes we are, or None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ:
+        return os.environ["TORCHELASTIC_RUN_ID"]
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return f"slurm-{os.environ.get('SLURM_JOB_ID', 'job')}"
+    return None
+
+
+def plan(overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None) -> list[Job]:
+    """Compose, resolve and validate every job of the command before any of them starts."""
+    external = external_job_id()
+    if multirun and external:
+        raise ConfigError("-m", "multirun", "a sweep cannot run inside a torchrun/SLURM job")
+    sweep = expand_sweeps(overrides) if multirun else [list(overrides)]
+    base = Path(external and f"runs/{external}" or time.strftime("runs/%Y-%m-%d_%H-%M-%S"))
+    jobs: list[Job] = []
+    for number, job_overrides in enumerate(sweep):
+        cfg = compose_config(job_overrides, extra_dirs)
+        given = cfg.run.dir
+        run_dir = Path(given) if given is not None else base
+        if multirun and not _sweeps_key("run.dir", overrides):
+            run_dir = run_dir / str(number)
+        cfg.run.dir = str(run_dir.resolve())
+        resolve(cfg)
+        world = validate(cfg)
+        if external:
+            check_external_world(world)
+        jobs.append(Job(cfg, world, Path(cfg.run.dir)))
+    for job in jobs:
+        check_run_dir(job.run_dir, allow_existing=bool(external) and os.environ.get("RANK", "0") != "0")
+    dirs = [j.run_dir for j in jobs]
+    if len(set(dirs)) != len(dirs):
+        raise ConfigError("run.dir", str(dirs[0]), "several jobs of the sweep would share it")
+    return jobs
+
+
+def _sweeps_key(key: str, overrides: list[str]) -> bool:
+    return any(o.lstrip("+").partition("=")[0] == key for o in overrides)
+
+
+def resolve(cfg: DictConfig) -> None:
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "config"
+        raise ConfigError(key, "?", str(err).splitlines()[0].rstrip(".")) from None
+
+
+def check_external_world(world: World) -> None:
+    size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    if world.world_size != size:
+        raise ConfigError(
+            "trainer.devices", world.devices,
+            f"devices x num_nodes = {world.world_size} but the enclosing job has {size} processes",
+            hint="Set trainer.devices (per node) and trainer.num_nodes to match the launcher.",
+        )
+
+
+def check_run_dir(run_dir: Path, allow_existing: bool = False) -> None:
+    """The run directory can be created and holds no earlier run."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError("run.dir", str(run_dir), "exists and is not a directory")
+    if (run_dir / "config.yaml").exists() and not allow_existing:
+        raise ConfigError(
+            "run.dir", str(run_dir), "already holds a run (config.yaml)",
+            hint="Choose a new run.dir, or leave it unset for runs/<date>_<time>.",
+        )
+    ancestor = run_dir
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError("run.dir", str(run_dir), f"cannot be created: {ancestor} is not writable")
+
+
+def write_config(job: Job) -> Path:
+    """Create the run directory and write config.yaml atomically (temp file, fsync, rename)."""
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    (job.run_dir / "checkpoints").mkdir(exist_ok=True)
+    path = job.run_dir / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    with tmp.open("w") as fh:
+        fh.write(OmegaConf.to_yaml(job.cfg))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def run_job(job: Job) -> None:
+    """Start the job's workers (or train here when it is one process or inside torchrun/SLURM)."""
+    from framework import worker
+
+    is_rank0 = os.environ.get("RANK", "0") == "0"
+    external = external_job_id() is not None
+    if is_rank0:
+        config_path = write_config(job)
+        log.info("Run directory: %s", job.run_dir)
+    else:
+        config_path = job.run_dir / "config.yaml"
+    if external or job.world.world_size == 1:
+        worker.run(job.cfg if external else OmegaConf.load(config_path), job.run_dir)
+        return
+    launch = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind").build(job.cfg.launcher, job.world)
+    launch(config_path)
+    log.info("Outputs in %s", job.run_dir)
+
+
+def train(overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None) -> None:
+    """Plan every job, then run them one after another; a failed job does not stop the sweep."""
+    jobs = plan(overrides, multirun, extra_dirs)
+    failed = []
+    for number, job in enumerate(jobs):
+        if multirun:
+            log.info("Job %d/%d", number + 1, len(jobs))
+        try:
+            run_job(job)
+        except Exception as err:
+            if not multirun:
+                raise
+            log.error("Job %d (%s) failed: %s", number, job.run_dir, err)
+            failed.append(err)
+    if failed:
+        raise failed[0]

@@ -1,0 +1,1 @@
+"""Strategy plugins: one module per plugin (see framework.plugins for the contract)."""

@@ -1,0 +1,64 @@
+"""`strategy=ddp`: data parallel with replicated parameters and all-reduced gradients.
+
+gloo on CPU, NCCL on CUDA. With one process in total it uses Lightning's single-device strategy,
+which runs the same numerics without the wrapper and collective overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from framework.config.fields import doc
+from framework.errors import ConfigError
+from framework.world import World
+
+BACKENDS = (None, "gloo", "nccl")
+
+
+@dataclass
+class Config:
+    """Distributed data parallel (torch DDP)."""
+
+    kind: str = doc("ddp", "Strategy plugin.")
+    backend: str | None = doc(
+        None, "Collective backend (None: nccl on CUDA, gloo on CPU).", BACKENDS
+    )
+    find_unused_parameters: bool = doc(False, "Allow parameters that get no gradient in a step.")
+    static_graph: bool = doc(
+        False, "Promise the graph is the same every step (enables optimizations)."
+    )
+    gradient_as_bucket_view: bool = doc(
+        True, "Gradients alias the all-reduce buckets (saves memory)."
+    )
+    bucket_cap_mb: int = doc(25, "Size of gradient buckets all-reduced together, in MiB.")
+    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.")
+
+
+def validate(cfg: Config, world: World) -> None:
+    if cfg.backend == "nccl" and not world.is_cuda:
+        raise ConfigError(
+            "strategy.backend",
+            cfg.backend,
+            "NCCL needs CUDA devices but the job runs on CPU",
+            ["gloo", "null"],
+        )
+
+
+def build(cfg: Config, world: World):
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    if world.world_size == 1:
+        import torch
+
+        device = torch.device("cuda", world.local_rank) if world.is_cuda else torch.device("cpu")
+        return SingleDeviceStrategy(device=device)
+    backend = cfg.backend or ("nccl" if world.is_cuda else "gloo")
+    return DDPStrategy(
+        process_group_backend=backend,
+        timeout=timedelta(seconds=cfg.timeout_s),
+        find_unused_parameters=cfg.find_unused_parameters,
+        static_graph=cfg.static_graph,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+    )

@@ -1,0 +1,72 @@
+"""TaskModule: the class users subclass to describe what to train.
+
+A TaskModule is a LightningModule: build the model in `__init__`, write `training_step` (and
+`validation_step`), log with `self.log`. What it adds is that the optimizer and the learning-rate
+schedule come from the config (`task.optimizer`, `task.scheduler`), so they can be changed on the
+command line; override `configure_optimizers` to take over. A plain LightningModule works too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import get_class
+
+
+class TaskModule(pl.LightningModule):
+    """Base class of tasks: a LightningModule whose optimizer and schedule are set by the config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer_config: dict[str, Any] = {"_target_": "torch.optim.AdamW", "lr": 1e-3}
+        self.scheduler_config: dict[str, Any] = {"name": "constant", "warmup_steps": 0}
+
+    def configure_from(self, optimizer: dict[str, Any], scheduler: dict[str, Any]) -> None:
+        """Called by the runner with the `task.optimizer` and `task.scheduler` config nodes."""
+        self.optimizer_config = dict(optimizer)
+        self.scheduler_config = dict(scheduler)
+
+    def param_groups(self) -> Iterable[Any]:
+        """Parameters (or parameter groups) given to the optimizer; override to e.g. skip decay."""
+        return self.parameters()
+
+    def configure_optimizers(self) -> Any:
+        kwargs = {k: v for k, v in self.optimizer_config.items() if k != "_target_"}
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        optimizer = get_class(self.optimizer_config["_target_"])(self.param_groups(), **kwargs)
+        sched = self.scheduler_config
+        if sched.get("name", "constant") == "constant" and not sched.get("warmup_steps", 0):
+            return optimizer
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        lr_lambda = schedule(
+            sched.get("name", "constant"),
+            int(sched.get("warmup_steps", 0)),
+            total,
+            float(sched.get("min_lr_ratio", 0.1)),
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+def schedule(name: str, warmup: int, total: int, min_ratio: float):
+    """Multiplier of the peak lr at each optimizer step: linear warm-up, then constant/cosine/linear."""
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if name == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if name == "cosine":
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0 - (1 - min_ratio) * progress
+
+    return factor

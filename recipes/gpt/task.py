@@ -1,0 +1,72 @@
+"""Train a byte-level GPT; at the end, write a sampled continuation to <run dir>/sample.txt."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from framework import TaskModule
+from recipes.gpt.model import GPT
+
+log = logging.getLogger("framework.recipes.gpt")
+
+
+class GPTTask(TaskModule):
+    """Next-byte prediction; logs train/loss and val/loss (nats per byte)."""
+
+    def __init__(
+        self,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        block_size: int = 128,
+        dropout: float = 0.0,
+        vocab_size: int = 256,
+        sample_prompt: str = "def main(",
+        sample_length: int = 300,
+        sample_temperature: float = 0.8,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+
+    def param_groups(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def sample(self, prompt: str, length: int, seed: int = 0) -> str:
+        was_training = self.training
+        self.eval()
+        idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        out = self.model.generate(idx, length, self.hparams.sample_temperature, generator=gen)
+        self.train(was_training)
+        return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+    def on_train_end(self) -> None:
+        if not self.trainer.is_global_zero or self.hparams.sample_length <= 0:
+            return
+        text = self.sample(self.hparams.sample_prompt, self.hparams.sample_length)
+        path = Path(self.trainer.default_root_dir) / "sample.txt"
+        path.write_text(text)
+        log.info("Sampled continuation (also in %s):\n%s\n%s\n%s", path, "-" * 60, text, "-" * 60)
