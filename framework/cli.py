@@ -7,6 +7,7 @@ which rank failed and why, and exits with code 1.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -42,7 +43,9 @@ def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
                 raise ConfigError("--config-dir", value, "not a directory")
             dirs.append(Path(value))
         elif word.startswith("-") and not word.startswith("--config-dir"):
-            raise ConfigError("option", word, "unknown option", ["-m", "--multirun", "--config-dir", "--help"])
+            raise ConfigError(
+                "option", word, "unknown option", ["-m", "--multirun", "--config-dir", "--help"]
+            )
         else:
             overrides.append(word)
     return multirun, dirs, overrides, want_help
@@ -52,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     from framework.logs import setup_logging
 
     argv = sys.argv[1:] if argv is None else argv
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(
+            0, os.getcwd()
+        )  # user modules next to the command, as `python -m` finds them
     setup_logging()
     if not argv or argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)

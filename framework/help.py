@@ -52,7 +52,11 @@ def render(node: Any, indent: int, owner: Any) -> list[str]:
             lines.append(f"{pad}{key}:{comment}")
             lines += render(child, indent + 1, node)
         else:
-            value = child._value() if not isinstance(child, (DictConfig, ListConfig)) else OmegaConf.to_container(child)
+            value = (
+                child._value()
+                if not isinstance(child, (DictConfig, ListConfig))
+                else OmegaConf.to_container(child)
+            )
             text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
             text = text.removesuffix("\n...").removesuffix("...").strip()
             lines.append(f"{pad}{key}: {text}{comment}")
@@ -73,7 +77,9 @@ def _signature(node: DictConfig) -> dict[str, str]:
     except Exception:
         return {}
     return {
-        name: f"{getattr(p.annotation, '__name__', p.annotation)}".replace("<class '", "").replace("'>", "")
+        name: f"{getattr(p.annotation, '__name__', p.annotation)}".replace("<class '", "").replace(
+            "'>", ""
+        )
         for name, p in params.items()
         if p.annotation is not p.empty
     }

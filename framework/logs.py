@@ -25,12 +25,15 @@ def setup_logging(rank: int | None = None) -> None:
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_utilities"):
-        lg = logging.getLogger(name)
-        lg.addFilter(_DropNoise())
-        for h in lg.handlers:
-            h.addFilter(_DropNoise())
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)`.*")
+
+
+def quiet_lightning() -> None:
+    """Drop Lightning's advertising lines; call after Lightning has set up its handlers."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _DropNoise) for f in handler.filters):
+                handler.addFilter(_DropNoise())

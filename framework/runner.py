@@ -42,7 +42,9 @@ def external_job_id() -> str | None:
     return None
 
 
-def plan(overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None) -> list[Job]:
+def plan(
+    overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None
+) -> list[Job]:
     """Compose, resolve and validate every job of the command before any of them starts."""
     external = external_job_id()
     if multirun and external:
@@ -63,7 +65,9 @@ def plan(overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | 
             check_external_world(world)
         jobs.append(Job(cfg, world, Path(cfg.run.dir)))
     for job in jobs:
-        check_run_dir(job.run_dir, allow_existing=bool(external) and os.environ.get("RANK", "0") != "0")
+        check_run_dir(
+            job.run_dir, allow_existing=bool(external) and os.environ.get("RANK", "0") != "0"
+        )
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):
         raise ConfigError("run.dir", str(dirs[0]), "several jobs of the sweep would share it")
@@ -86,7 +90,8 @@ def check_external_world(world: World) -> None:
     size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     if world.world_size != size:
         raise ConfigError(
-            "trainer.devices", world.devices,
+            "trainer.devices",
+            world.devices,
             f"devices x num_nodes = {world.world_size} but the enclosing job has {size} processes",
             hint="Set trainer.devices (per node) and trainer.num_nodes to match the launcher.",
         )
@@ -98,7 +103,9 @@ def check_run_dir(run_dir: Path, allow_existing: bool = False) -> None:
         raise ConfigError("run.dir", str(run_dir), "exists and is not a directory")
     if (run_dir / "config.yaml").exists() and not allow_existing:
         raise ConfigError(
-            "run.dir", str(run_dir), "already holds a run (config.yaml)",
+            "run.dir",
+            str(run_dir),
+            "already holds a run (config.yaml)",
             hint="Choose a new run.dir, or leave it unset for runs/<date>_<time>.",
         )
     ancestor = run_dir
@@ -136,12 +143,16 @@ def run_job(job: Job) -> None:
     if external or job.world.world_size == 1:
         worker.run(job.cfg if external else OmegaConf.load(config_path), job.run_dir)
         return
-    launch = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind").build(job.cfg.launcher, job.world)
+    launch = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind").build(
+        job.cfg.launcher, job.world
+    )
     launch(config_path)
     log.info("Outputs in %s", job.run_dir)
 
 
-def train(overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None) -> None:
+def train(
+    overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None
+) -> None:
     """Plan every job, then run them one after another; a failed job does not stop the sweep."""
     jobs = plan(overrides, multirun, extra_dirs)
     failed = []

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.logs import setup_logging
+from framework.logs import quiet_lightning, setup_logging
 from framework.plugins import load_plugin
 from framework.world import World
 
@@ -30,6 +30,7 @@ def run(cfg: DictConfig, run_dir: Path) -> Any:
     import lightning.pytorch as pl
     import torch
 
+    quiet_lightning()
     world = World.current(cfg.trainer)
     limit_threads(world)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -72,9 +73,19 @@ def run(cfg: DictConfig, run_dir: Path) -> Any:
         **trainer_args,
     )
     trainer.fit(task, datamodule=data)
+    close_process_group()
     if trainer.is_global_zero:
         log.info("Run finished at step %d. Outputs in %s", trainer.global_step, run_dir)
     return trainer
+
+
+def close_process_group() -> None:
+    """Leave the process group together: a rank exiting while a peer still talks to it aborts."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def limit_threads(world: World) -> None:

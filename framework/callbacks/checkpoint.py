@@ -22,12 +22,23 @@ class Config:
         None, "Metric ranking checkpoints, e.g. val/loss (None: newest wins)."
     )
     mode: str = doc("min", "Whether a lower or a higher `monitor` value is better.", ("min", "max"))
+    save_on_train_end: bool = doc(True, "Also save when training stops between checkpoints.")
 
 
 def build(cfg: Config, run_dir: Path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    return ModelCheckpoint(
+    class StepCheckpoint(ModelCheckpoint):
+        """ModelCheckpoint that also saves the final step when training stops mid-interval."""
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            step = trainer.global_step
+            if cfg.save_on_train_end and step and self._last_global_step_saved != step:
+                candidates = self._monitor_candidates(trainer)
+                self._save_topk_checkpoint(trainer, candidates)
+                self._save_last_checkpoint(trainer, candidates)
+
+    return StepCheckpoint(
         dirpath=Path(run_dir) / "checkpoints",
         filename="step{step:08d}",
         auto_insert_metric_name=False,

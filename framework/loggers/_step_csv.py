@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -12,19 +13,27 @@ from lightning.pytorch.utilities import rank_zero_only
 
 
 class StepCSVLogger(Logger):
-    """Writes metrics.csv with one row per step; rank 0 only."""
+    """Writes metrics.csv with one row per step; rank 0 only.
+
+    Lightning calls `save()` after every `log_metrics`, and training and validation metrics of one
+    step arrive in separate calls: the row of the current step is written at once and rewritten in
+    place (truncate + append) when more metrics for the same step arrive.
+    """
 
     def __init__(self, path: Path, name: str = "run") -> None:
         super().__init__()
         self.path = Path(path)
         self._name = name
         self._columns: list[str] = ["step"]
-        self._pending: dict[str, Any] | None = None
+        self._row: dict[str, Any] | None = None  # the current step's row
+        self._row_offset: int | None = None  # where that row starts in the file, once written
         if self.path.exists():
             with self.path.open(newline="") as fh:
                 header = next(csv.reader(fh), None)
             if header:
                 self._columns = header
+        else:
+            self._rewrite([])
 
     @property
     def name(self) -> str:
@@ -50,42 +59,43 @@ class StepCSVLogger(Logger):
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         step = int(step if step is not None else metrics.get("step", 0))
-        if self._pending is not None and self._pending["step"] != step:
-            self._write(self._pending)
-            self._pending = None
-        if self._pending is None:
-            self._pending = {"step": step}
+        if self._row is None or self._row["step"] != step:
+            self.save()
+            self._row, self._row_offset = {"step": step}, None
         for key, value in metrics.items():
             if key != "step":
-                self._pending[key] = float(value)
+                self._row[key] = float(value)
 
     @rank_zero_only
     def save(self) -> None:
-        if self._pending is not None:
-            self._write(self._pending)
-            self._pending = None
+        if self._row is None:
+            return
+        new = [k for k in self._row if k not in self._columns]
+        if new:
+            self._columns = self._columns + sorted(new)
+            rows = self._read_rows()
+            if self._row_offset is not None:
+                rows = rows[:-1]
+            self._rewrite(rows)
+            self._row_offset = None
+        with self.path.open("r+", newline="") as fh:
+            if self._row_offset is None:
+                self._row_offset = fh.seek(0, io.SEEK_END)
+            fh.seek(self._row_offset)
+            fh.truncate()
+            csv.DictWriter(fh, fieldnames=self._columns).writerow(self._row)
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
         self.save()
 
-    def _write(self, row: dict[str, Any]) -> None:
-        new = [k for k in row if k not in self._columns]
-        if new:
-            self._columns = self._columns + sorted(new)
-            self._rewrite_header()
-        exists = self.path.exists()
-        with self.path.open("a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=self._columns)
-            if not exists:
-                writer.writeheader()
-            writer.writerow(row)
-
-    def _rewrite_header(self) -> None:
-        if not self.path.exists():
-            return
+    def _read_rows(self) -> list[dict[str, str]]:
         with self.path.open(newline="") as fh:
-            rows = list(csv.DictReader(fh))
+            return list(csv.DictReader(fh))
+
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+        if rank_zero_only.rank != 0:
+            return
         tmp = self.path.with_suffix(".csv.tmp")
         with tmp.open("w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=self._columns)
