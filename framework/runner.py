@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,8 +112,21 @@ def check_run_dir(run_dir: Path, allow_existing: bool = False) -> None:
     ancestor = run_dir
     while not ancestor.exists():
         ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+    if (
+        not ancestor.is_dir()
+        or not os.access(ancestor, os.W_OK | os.X_OK)
+        or not _can_create_in(ancestor)
+    ):
         raise ConfigError("run.dir", str(run_dir), f"cannot be created: {ancestor} is not writable")
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Really try (permissions alone say yes to root on read-only or virtual file systems)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fw-probe-", dir=directory))
+    except OSError:
+        return False
+    return True
 
 
 def write_config(job: Job) -> Path:

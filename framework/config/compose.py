@@ -113,6 +113,12 @@ def translate(err: Exception, overrides: list[str]) -> ConfigError:
                 key, value, "no such key", choices, hint=_add_hint(key), near=key.split(".")[-1]
             )
         return ConfigError(key, value, first.rstrip(".").replace("Value ", "value ", 1))
+    text = str(err)
+    if "full_key:" in text:  # an error inside a YAML file: Hydra only keeps the message
+        where = text.splitlines()[0].split(":")[0]
+        detail = next((line for line in text.splitlines()[1:] if line.strip()), "").strip()
+        full_key = text.split("full_key:")[1].split()[0]
+        return ConfigError(full_key, "?", f"{where}: {detail}".rstrip("."))
     if isinstance(err, MissingConfigException):
         first = str(err).splitlines()[0]
         return ConfigError("defaults", " ".join(overrides), first)

@@ -1,0 +1,85 @@
+"""Bad input through `fw`: exit code 2, one short paragraph, no traceback, nothing on disk."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import fw, tree
+
+CASES = {
+    "unknown group option": (["strategy=dpp"], ["strategy=dpp", "ddp"]),
+    "misspelled key": (["trainer.max_step=5"], ["trainer.max_step", "max_steps"]),
+    "wrong type": (["trainer.max_steps=lots"], ["trainer.max_steps", "lots"]),
+    "too many devices": (["trainer.devices=64"], ["trainer.devices=64", "Valid choices: 1, 2"]),
+    "missing data file": (
+        ["task=gpt", "task.data.path=/no/such/corpus.txt"],
+        ["task.data.path", "/no/such/corpus.txt"],
+    ),
+    "unknown task class": (
+        ["task._target_=recipes.digits.task.DigitTask"],
+        ["task._target_", "DigitsTask"],
+    ),
+    "bad override syntax": (["trainer.max_steps"], ["trainer.max_steps", "key=value"]),
+    "unknown option flag": (["--fast"], ["--fast", "--multirun"]),
+    "sweep without -m": (["seed=1,2"], ["-m"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_bad_input_exits_2_with_one_paragraph(case, workdir):
+    args, expected = CASES[case]
+    result = fw("train", *args, f"run.dir={workdir}/run", cwd=workdir)
+    assert result.returncode == 2, result.stderr
+    err = result.stderr.strip()
+    assert "Traceback" not in err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    for text in expected:
+        assert text in err
+    assert tree(workdir) == set(), "nothing may be created on a config error"
+
+
+def test_unwritable_run_dir(workdir):
+    # /proc refuses new directories even to root, unlike a chmod-ed folder.
+    result = fw("train", "run.dir=/proc/fw-test-run", cwd=workdir)
+    assert result.returncode == 2, result.stderr
+    assert "run.dir=/proc/fw-test-run" in result.stderr and "not writable" in result.stderr
+    assert tree(workdir) == set()
+
+
+def test_run_dir_under_a_file_is_refused(workdir):
+    blocker = workdir / "file"
+    blocker.write_text("keep me")
+    result = fw("train", f"run.dir={blocker}/run", cwd=workdir)
+    assert (
+        result.returncode == 2 and "run.dir" in result.stderr and "Traceback" not in result.stderr
+    )
+    assert blocker.read_text() == "keep me"
+
+
+def test_existing_run_is_not_overwritten(workdir):
+    run = workdir / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 7\n")
+    result = fw("train", f"run.dir={run}", cwd=workdir)
+    assert result.returncode == 2 and "already holds a run" in result.stderr
+    assert (run / "config.yaml").read_text() == "seed: 7\n"
+
+
+def test_help_lists_groups_and_config_shows_descriptions():
+    result = fw("train", "--help")
+    assert result.returncode == 0
+    for group in (
+        "task",
+        "strategy",
+        "trainer",
+        "logger",
+        "callbacks",
+        "launcher",
+        "experiment",
+        "debug",
+    ):
+        assert f"  {group}" in result.stdout
+    shown = fw("config", "task=gpt")
+    assert shown.returncode == 0
+    assert "max_steps: -1  # Stop after this many optimizer steps" in shown.stdout
+    assert "n_layer: 4  # int" in shown.stdout

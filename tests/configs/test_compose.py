@@ -1,0 +1,108 @@
+"""Every YAML composes and validates; every schema has a YAML; a typo fails at compose time."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework.config.compose import CONF_DIR, GROUPS, compose_config, group_options
+from framework.config.store import CORE_SCHEMAS, plugin_schemas
+from framework.config.validate import validate
+from framework.errors import ConfigError
+
+OPTIONS = [(g, o) for g in GROUPS for o in group_options(g) if not (g == "logger" and o == "none")]
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_validates(group, option):
+    override = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"
+    if group == "trainer" and option == "gpu":
+        pytest.skip("needs a CUDA device: covered by test_gpu_trainer_refused_without_cuda")
+    cfg = compose_config([override])
+    OmegaConf.resolve(cfg)
+    world = validate(cfg)
+    assert world.world_size >= 1
+
+
+def test_gpu_trainer_refused_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    cfg = compose_config(["trainer=gpu"])
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        validate(cfg)
+
+
+def test_every_schema_has_a_yaml():
+    texts = "\n".join(p.read_text() for p in CONF_DIR.rglob("*.yaml"))
+    for name in CORE_SCHEMAS:
+        assert f"/schema/{name}@" in texts, f"schema/{name} is used by no YAML"
+    for group, kind in plugin_schemas():
+        assert f"/schema/{group}/{kind}@" in texts, f"schema/{group}/{kind} is used by no YAML"
+
+
+def _first_node_key(group: str) -> str:
+    return {"logger": "logger.csv", "callbacks": "callbacks.checkpoint"}.get(group, group)
+
+
+@pytest.mark.parametrize(
+    "group", ["task", "strategy", "trainer", "logger", "callbacks", "launcher", "run"]
+)
+def test_misspelled_key_fails_at_compose_time(group):
+    with pytest.raises(ConfigError, match="no such key") as info:
+        compose_config([f"{_first_node_key(group)}.no_such_field=1"])
+    assert info.value.key.endswith("no_such_field")
+    assert info.value.choices, "the message lists the valid keys"
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.max_steps=many", "trainer.max_steps"),
+        ("strategy.bucket_cap_mb=big", "strategy.bucket_cap_mb"),
+        ("seed=abc", "seed"),
+        ("trainer.deterministic=maybe", "trainer.deterministic"),
+    ],
+)
+def test_wrong_type_fails_at_compose_time(override, key):
+    with pytest.raises(ConfigError) as info:
+        compose_config([override])
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_unknown_option_lists_valid_ones(group):
+    with pytest.raises(ConfigError) as info:
+        compose_config([f"{group}=nonexistent_option"])
+    assert info.value.key == group
+    assert info.value.choices == group_options(group)
+
+
+def test_typo_in_a_yaml_fails(tmp_path):
+    (tmp_path / "strategy").mkdir()
+    (tmp_path / "strategy" / "typo.yaml").write_text(
+        "defaults:\n  - /schema/strategy/ddp@_here_\n  - _self_\nbucket_capmb: 3\n"
+    )
+    with pytest.raises(ConfigError, match="bucket_capmb"):
+        compose_config(["strategy=typo"], [tmp_path])
+
+
+def test_invalid_choice_is_refused_before_launch():
+    cfg = compose_config(["trainer.precision=fp8"])
+    with pytest.raises(ConfigError, match="not a valid choice") as info:
+        validate(cfg)
+    assert "bf16-mixed" in info.value.choices
+
+
+def test_task_arguments_are_checked_against_the_signature():
+    cfg = compose_config(["+task.model.hiddn=3"])
+    with pytest.raises(ConfigError, match="not an argument of DigitsTask") as info:
+        validate(cfg)
+    assert "hidden" in info.value.choices and "Did you mean 'hidden'" in str(info.value)
+    cfg = compose_config(["task.model.hidden=wide"])
+    with pytest.raises(ConfigError, match="expected int"):
+        validate(cfg)
+    cfg = compose_config(["task.optimizer.lr=fast"])
+    with pytest.raises(ConfigError, match="task.optimizer.lr"):
+        validate(cfg)

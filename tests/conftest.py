@@ -1,0 +1,66 @@
+"""Shared test helpers: run `fw` the way a user does, read run directories."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FW = Path(sys.executable).parent / "fw"
+QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+def fw_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(WANDB_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env.pop("WANDB_API_KEY", None)
+    for key in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+    ):
+        env.pop(key, None)
+    return env
+
+
+def fw(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the `fw` console script with arguments; output captured as text."""
+    return subprocess.run(
+        [str(FW), *args],
+        cwd=cwd or REPO,
+        env=fw_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with (Path(run_dir) / "metrics.csv").open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {
+        int(r["step"]): float(r["train/loss"]) for r in read_metrics(run_dir) if r.get("train/loss")
+    }
+
+
+def tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in Path(root).rglob("*")}
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """An empty directory to run `fw` in (so stray outputs would show up there)."""
+    d = tmp_path / "work"
+    d.mkdir()
+    return d

@@ -1,0 +1,148 @@
+"""`strategy=ddp` through `fw`: 2 processes match 1, one run dir per job, failures end the job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import FW, QUIET, fw, fw_env, losses, tree
+
+pytestmark = pytest.mark.slow
+DETERMINISTIC = [
+    *QUIET,
+    "trainer.deterministic=true",
+    "trainer.log_every_n_steps=1",
+    "callbacks=none",
+]
+
+
+def test_two_processes_reproduce_one_process_with_the_global_batch(workdir):
+    one = fw(
+        "train",
+        "task.data.batch_size=64",
+        "trainer.max_steps=20",
+        *DETERMINISTIC,
+        f"run.dir={workdir}/one",
+        cwd=workdir,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = fw(
+        "train",
+        "task.data.batch_size=32",
+        "trainer.devices=2",
+        "trainer.max_steps=20",
+        *DETERMINISTIC,
+        f"run.dir={workdir}/two",
+        cwd=workdir,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = losses(workdir / "one"), losses(workdir / "two")
+    assert sorted(a) == list(range(20)) and sorted(b) == list(range(20))
+    for step in range(20):
+        assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
+    assert a[19] < a[0] - 0.5, "the model learns"
+
+
+def test_ddp_job_makes_one_run_dir_and_nothing_else(workdir):
+    result = fw(
+        "train", "trainer.devices=2", "trainer.max_steps=12", *QUIET, "run.dir=run", cwd=workdir
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = tree(workdir)
+    assert {p.split("/")[0] for p in files} == {"run"}
+    assert sum(p.endswith("config.yaml") for p in files) == 1
+    assert {"run/config.yaml", "run/metrics.csv", "run/checkpoints/last.ckpt"} <= files
+    cfg = (workdir / "run" / "config.yaml").read_text()
+    assert "${" not in cfg and f"dir: {workdir}/run" in cfg, (
+        "config.yaml is resolved, run.dir absolute"
+    )
+
+
+def test_multirun_gives_independent_jobs(workdir):
+    result = fw(
+        "train", "-m", "seed=1,2", "trainer.devices=2", "trainer.max_steps=4", *QUIET, cwd=workdir
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    configs = sorted(p for p in tree(workdir) if p.endswith("config.yaml"))
+    assert (
+        len(configs) == 2
+        and configs[0].endswith("/0/config.yaml")
+        and configs[1].endswith("/1/config.yaml")
+    )
+    assert {p.split("/")[0] for p in tree(workdir)} == {"runs"}
+    seeds = sorted((workdir / c).read_text().split("\nseed: ")[1].strip() for c in configs)
+    assert seeds == ["1", "2"]
+    weights = [
+        torch.load(workdir / c.replace("config.yaml", "checkpoints/last.ckpt"), weights_only=False)
+        for c in configs
+    ]
+    w0, w1 = (w["state_dict"]["net.0.weight"] for w in weights)
+    assert not torch.equal(w0, w1), "different seeds give different models"
+
+
+def test_a_failing_rank_ends_the_job_promptly_and_is_named(workdir):
+    start = time.monotonic()
+    result = fw(
+        "train",
+        "task._target_=tests.tasks.FailingDigitsTask",
+        "~task.model.dropout",
+        "task.model.hidden=16",
+        "trainer.devices=2",
+        "trainer.max_steps=400",
+        *QUIET,
+        f"run.dir={workdir}/run",
+        cwd=workdir,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert (
+        "rank 1 failed (exit code 1): RuntimeError: deliberate failure at step 3" in result.stderr
+    )
+    assert elapsed < 40, f"the job took {elapsed:.0f}s to end after a rank failed"
+
+
+def test_a_plain_lightning_module_runs_under_ddp(workdir):
+    result = fw(
+        "train",
+        "task._target_=tests.tasks.PlainDigits",
+        "~task.model.dropout",
+        "task.model.hidden=16",
+        "trainer.devices=2",
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=1",
+        *QUIET,
+        f"run.dir={workdir}/run",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(losses(workdir / "run")) == list(range(6))
+
+
+def test_inside_torchrun_the_runner_does_not_spawn(workdir):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--no-python",
+        str(FW),
+        "train",
+        "trainer.devices=2",
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=1",
+        *QUIET,
+        "run.dir=run",
+    ]
+    result = subprocess.run(
+        cmd, cwd=workdir, env=fw_env(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("Starting with 2 processes") == 1
+    assert sum(p.endswith("config.yaml") for p in tree(workdir)) == 1
+    assert sorted(losses(workdir / "run")) == list(range(6))
