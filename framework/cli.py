@@ -26,6 +26,7 @@ Examples:
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
+EXIT_PREEMPTED = 75  # stopped on SIGTERM/SIGUSR1 with a checkpoint: requeue the same command
 
 
 def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, WorkerFailure):
             logging.getLogger("framework").error("Job failed:\n%s", err)
             return EXIT_FAILED
+        if getattr(err, "exit_code", None) == EXIT_PREEMPTED:  # Preempted, WorkersPreempted
+            logging.getLogger("framework").warning("%s", err)
+            return EXIT_PREEMPTED
         raise
 
 

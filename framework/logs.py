@@ -28,6 +28,8 @@ def setup_logging(rank: int | None = None) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    # The data position is restored by callbacks.checkpoint through GlobalOrderSampler.
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)`.*")
 
 

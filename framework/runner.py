@@ -6,8 +6,10 @@ each job gets its own run directory holding the frozen `config.yaml` that its wo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import tempfile
 import time
 from dataclasses import dataclass
@@ -16,10 +18,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from framework import checkpointing, resume
 from framework.config.compose import compose_config, expand_sweeps
 from framework.config.validate import validate
+from framework.context import flatten, load_run_state, redact
 from framework.errors import ConfigError
 from framework.plugins import load_plugin
+from framework.worker import SECRETS_ENV
 from framework.world import World
 
 log = logging.getLogger("framework.runner")
@@ -27,11 +32,13 @@ log = logging.getLogger("framework.runner")
 
 @dataclass
 class Job:
-    """One training run: its resolved config, process layout and run directory."""
+    """One training run: its resolved config, process layout, run directory and resume point."""
 
     cfg: DictConfig
     world: World
     run_dir: Path
+    resume_from: Path | None = None
+    group: str | None = None
 
 
 def external_job_id() -> str | None:
@@ -64,11 +71,12 @@ def plan(
         world = validate(cfg)
         if external:
             check_external_world(world)
-        jobs.append(Job(cfg, world, Path(cfg.run.dir)))
+        group = base.name if multirun else None
+        jobs.append(Job(cfg, world, Path(cfg.run.dir), group=group))
     for job in jobs:
-        check_run_dir(
-            job.run_dir, allow_existing=bool(external) and os.environ.get("RANK", "0") != "0"
-        )
+        check_run_dir(job.run_dir)
+        config = redact(OmegaConf.to_container(job.cfg))
+        job.resume_from = resume.choose(job.cfg.resume, job.run_dir, config)
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):
         raise ConfigError("run.dir", str(dirs[0]), "several jobs of the sweep would share it")
@@ -98,17 +106,10 @@ def check_external_world(world: World) -> None:
         )
 
 
-def check_run_dir(run_dir: Path, allow_existing: bool = False) -> None:
-    """The run directory can be created and holds no earlier run."""
+def check_run_dir(run_dir: Path) -> None:
+    """The run directory is a directory, or can be created."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("run.dir", str(run_dir), "exists and is not a directory")
-    if (run_dir / "config.yaml").exists() and not allow_existing:
-        raise ConfigError(
-            "run.dir",
-            str(run_dir),
-            "already holds a run (config.yaml)",
-            hint="Choose a new run.dir, or leave it unset for runs/<date>_<time>.",
-        )
     ancestor = run_dir
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -130,17 +131,33 @@ def _can_create_in(directory: Path) -> bool:
 
 
 def write_config(job: Job) -> Path:
-    """Create the run directory and write config.yaml atomically (temp file, fsync, rename)."""
+    """Create the run directory; write config.yaml (secrets redacted) and run.json atomically.
+
+    run.json keeps the run id chosen at the first start, so restarts log to the same W&B run.
+    """
     job.run_dir.mkdir(parents=True, exist_ok=True)
     (job.run_dir / "checkpoints").mkdir(exist_ok=True)
+    state = load_run_state(job.run_dir)
+    state.setdefault("run_id", new_run_id())
+    state["group"] = state.get("group") or job.group
+    checkpointing.write_json_atomic(job.run_dir / "run.json", state)
+    plain = OmegaConf.to_container(job.cfg)
+    secret = {k: v for k, v in flatten(plain).items() if flatten(redact(plain)).get(k) != v}
+    os.environ[SECRETS_ENV] = json.dumps(secret)
     path = job.run_dir / "config.yaml"
     tmp = path.with_suffix(".yaml.tmp")
     with tmp.open("w") as fh:
-        fh.write(OmegaConf.to_yaml(job.cfg))
+        fh.write(OmegaConf.to_yaml(OmegaConf.create(redact(plain))))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
+
+
+def new_run_id() -> str:
+    """8 lowercase letters and digits, the shape W&B uses for run ids."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def run_job(job: Job) -> None:
@@ -155,12 +172,13 @@ def run_job(job: Job) -> None:
     else:
         config_path = job.run_dir / "config.yaml"
     if external or job.world.world_size == 1:
-        worker.run(job.cfg if external else OmegaConf.load(config_path), job.run_dir)
+        cfg = job.cfg if external else OmegaConf.load(config_path)
+        worker.run(cfg, job.run_dir, job.resume_from)
         return
     launch = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind").build(
         job.cfg.launcher, job.world
     )
-    launch(config_path)
+    launch(config_path, job.resume_from)
     log.info("Outputs in %s", job.run_dir)
 
 

@@ -1,12 +1,13 @@
 """Inside each worker: read the frozen config, build the Trainer and its parts, fit.
 
-Started by the launcher as `python -m framework.worker RUN_DIR/config.yaml` (one process per
-device, with torch's elastic environment variables), or called in-process for one process, or
-under an external torchrun/SLURM job.
+Started by the launcher as `python -m framework.worker RUN_DIR/config.yaml [--resume CKPT]` (one
+process per device, with torch's elastic environment variables), or called in-process for one
+process, or under an external torchrun/SLURM job.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from framework.context import RunContext, load_run_state, redact
 from framework.logs import quiet_lightning, setup_logging
 from framework.plugins import load_plugin
 from framework.world import World
@@ -22,16 +24,21 @@ from framework.world import World
 log = logging.getLogger("framework.worker")
 
 TRAINER_KEYS_SKIPPED = ("devices", "num_nodes", "accelerator")
+SECRETS_ENV = "FW_SECRET_VALUES"  # secret config values, passed to workers outside config.yaml
 
 
-def run(cfg: DictConfig, run_dir: Path) -> Any:
+def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     """Train one job in this process; returns the fitted lightning.Trainer."""
     setup_logging()
     import lightning.pytorch as pl
     import torch
 
+    from framework.callbacks._checkpointer import STATE_FILE, Checkpointer, Preempted
+
     quiet_lightning()
-    world = World.current(cfg.trainer)
+    cfg = with_secrets(cfg)
+    ctx = make_context(cfg, run_dir, resume_from)
+    world = ctx.world
     limit_threads(world)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = build_task(cfg.task)
@@ -40,16 +47,12 @@ def run(cfg: DictConfig, run_dir: Path) -> Any:
         cfg.strategy, world
     )
     loggers = [
-        load_plugin("logger", entry.kind, f"logger.{name}").build(
-            entry, run_dir, run_name(cfg, run_dir)
-        )
-        for name, entry in (cfg.logger or {}).items()
-        if entry is not None
+        load_plugin("logger", e.kind, f"logger.{n}").build(e, ctx)
+        for n, e in (cfg.logger or {}).items()
+        if e is not None
     ]
     callbacks = [
-        build_callback(name, entry, run_dir)
-        for name, entry in (cfg.callbacks or {}).items()
-        if entry is not None
+        build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]
     trainer_args = {
         k: v
@@ -68,15 +71,46 @@ def run(cfg: DictConfig, run_dir: Path) -> Any:
         strategy=strategy,
         logger=loggers or False,
         callbacks=callbacks,
-        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        enable_checkpointing=False,  # checkpoints come from callbacks.checkpoint
         default_root_dir=str(run_dir),
         **trainer_args,
     )
-    trainer.fit(task, datamodule=data)
+    ckpt_path = str(resume_from / STATE_FILE) if resume_from else None
+    if resume_from and trainer.is_global_zero:
+        log.info("Resuming from %s (step %d)", resume_from, ctx.resume_step)
+    trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     close_process_group()
+    checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
+    if checkpointer is not None and checkpointer.preempted_at is not None:
+        raise Preempted(checkpointer.preempted_at)
     if trainer.is_global_zero:
         log.info("Run finished at step %d. Outputs in %s", trainer.global_step, run_dir)
     return trainer
+
+
+def make_context(cfg: DictConfig, run_dir: Path, resume_from: Path | None) -> RunContext:
+    from framework import checkpointing
+
+    state = load_run_state(run_dir)
+    step = checkpointing.read_meta(resume_from)["step"] if resume_from else 0
+    return RunContext(
+        run_dir=Path(run_dir),
+        run_name=cfg.run.name or Path(run_dir).name,
+        run_id=state.get("run_id", "local"),
+        group=state.get("group"),
+        config=redact(OmegaConf.to_container(cfg, resolve=True)),
+        world=World.current(cfg.trainer),
+        resume_from=resume_from,
+        resume_step=step,
+    )
+
+
+def with_secrets(cfg: DictConfig) -> DictConfig:
+    """Put back the secret values that config.yaml holds only as '***'."""
+    secrets = json.loads(os.environ.get(SECRETS_ENV, "{}"))
+    for key, value in secrets.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
 
 
 def close_process_group() -> None:
@@ -119,23 +153,25 @@ def build_task(task_cfg: DictConfig) -> Any:
     return task
 
 
-def build_callback(name: str, entry: DictConfig, run_dir: Path) -> Any:
+def build_callback(name: str, entry: DictConfig, ctx: RunContext) -> Any:
     if "_target_" in entry:
         return instantiate_args(entry)
-    return load_plugin("callbacks", entry.kind, f"callbacks.{name}.kind").build(entry, run_dir)
-
-
-def run_name(cfg: DictConfig, run_dir: Path) -> str:
-    return cfg.run.name or Path(run_dir).name
+    return load_plugin("callbacks", entry.kind, f"callbacks.{name}.kind").build(entry, ctx)
 
 
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from framework.callbacks._checkpointer import Preempted
+
     args = sys.argv[1:] if argv is None else argv
     config_path = Path(args[0])
+    resume = Path(args[args.index("--resume") + 1]) if "--resume" in args else None
     cfg = OmegaConf.load(config_path)
-    record(run)(cfg, config_path.parent)
+    try:
+        record(run)(cfg, config_path.parent, resume)
+    except Preempted as stop:
+        sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

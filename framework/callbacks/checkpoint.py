@@ -1,50 +1,48 @@
-"""`callbacks.checkpoint`: checkpoints in `<run dir>/checkpoints/`, with a `last.ckpt`."""
+"""`callbacks.checkpoint`: atomic, verified checkpoints for exact resume, and preemption.
+
+Checkpoints go to `<run dir>/checkpoints/stepNNNNNNNN/` (see framework.checkpointing). Each holds
+everything needed to continue as if nothing happened: model, optimizer, LR schedulers, precision
+scaler, the loops' progress, every process's RNG states, the data position, the run id and the
+config. SIGTERM or SIGUSR1 (what SLURM sends before preempting) makes every rank save at the next
+step boundary and exit with code 75, so a requeue script can start the same command again.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from framework.config.fields import doc
+from framework.errors import ConfigError
 
 
 @dataclass
 class Config:
-    """Save checkpoints every N steps and/or after validation."""
+    """Save checkpoints every N steps and/or after validation; keep the last K and the best."""
 
     kind: str = doc("checkpoint", "Callback plugin.")
     every_n_steps: int | None = doc(
         None, "Save every N optimizer steps (None: after each validation)."
     )
-    save_last: bool = doc(True, "Keep checkpoints/last.ckpt pointing at the newest checkpoint.")
-    save_top_k: int = doc(1, "Keep the best K checkpoints by `monitor` (-1: all).")
-    monitor: str | None = doc(
-        None, "Metric ranking checkpoints, e.g. val/loss (None: newest wins)."
-    )
+    keep_last: int = doc(2, "Keep the newest K checkpoints (at least 1).")
+    keep_best: int = doc(1, "Also keep the best K by `monitor` (0: none).")
+    monitor: str | None = doc(None, "Metric ranking checkpoints for keep_best, e.g. val/loss.")
     mode: str = doc("min", "Whether a lower or a higher `monitor` value is better.", ("min", "max"))
-    save_on_train_end: bool = doc(True, "Also save when training stops between checkpoints.")
-
-
-def build(cfg: Config, run_dir: Path):
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    class StepCheckpoint(ModelCheckpoint):
-        """ModelCheckpoint that also saves the final step when training stops mid-interval."""
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            step = trainer.global_step
-            if cfg.save_on_train_end and step and self._last_global_step_saved != step:
-                candidates = self._monitor_candidates(trainer)
-                self._save_topk_checkpoint(trainer, candidates)
-                self._save_last_checkpoint(trainer, candidates)
-
-    return StepCheckpoint(
-        dirpath=Path(run_dir) / "checkpoints",
-        filename="step{step:08d}",
-        auto_insert_metric_name=False,
-        every_n_train_steps=cfg.every_n_steps,
-        save_last=cfg.save_last,
-        save_top_k=cfg.save_top_k,
-        monitor=cfg.monitor,
-        mode=cfg.mode,
+    save_on_train_end: bool = doc(True, "Also save when training ends between checkpoints.")
+    on_preemption: bool = doc(
+        True, "On SIGTERM/SIGUSR1: save at the next step and exit with code 75."
     )
+
+
+def validate(cfg: Config, world) -> None:
+    if cfg.every_n_steps is not None and cfg.every_n_steps < 1:
+        raise ConfigError(
+            "callbacks.checkpoint.every_n_steps", cfg.every_n_steps, "must be at least 1 or null"
+        )
+    if cfg.keep_last < 1:
+        raise ConfigError("callbacks.checkpoint.keep_last", cfg.keep_last, "must be at least 1")
+
+
+def build(cfg: Config, ctx):
+    from framework.callbacks._checkpointer import Checkpointer
+
+    return Checkpointer(cfg, ctx)

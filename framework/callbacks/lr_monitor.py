@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from framework.config.fields import doc
 
@@ -16,7 +15,7 @@ class Config:
     logging_interval: str = doc("step", "Log at every step or every epoch.", ("step", "epoch"))
 
 
-def build(cfg: Config, run_dir: Path):
+def build(cfg: Config, ctx):
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     return LearningRateMonitor(logging_interval=cfg.logging_interval)

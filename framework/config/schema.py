@@ -108,3 +108,8 @@ class TrainConfig:
     launcher: Any = doc(MISSING, "How processes are started (group `launcher`).")
     run: RunConfig = doc(RunConfig(), "Run directory and name.")
     seed: int = doc(0, "Seed of every random generator (python, numpy, torch, data order).")
+    resume: str = doc(
+        "auto",
+        "auto: continue from the newest complete checkpoint in run.dir; never: refuse an existing "
+        "run; or the path of a checkpoint (or run directory) to start from.",
+    )

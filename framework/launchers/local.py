@@ -8,6 +8,9 @@ reported with the rank, its exit code and its exception.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -18,7 +21,10 @@ from framework.config.fields import doc
 from framework.errors import ConfigError
 from framework.world import World
 
-__all__ = ["Config", "WorkerFailure", "build", "validate"]
+__all__ = ["Config", "WorkerFailure", "WorkersPreempted", "build", "validate"]
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_EXIT = 75
 
 
 @dataclass
@@ -38,6 +44,12 @@ class WorkerFailure(RuntimeError):
     """One or more worker processes failed; the message names each rank and its error."""
 
 
+class WorkersPreempted(RuntimeError):
+    """The workers stopped on SIGTERM/SIGUSR1 after saving a checkpoint."""
+
+    exit_code = 75
+
+
 def validate(cfg: Config, world: World) -> None:
     if world.num_nodes > 1:
         raise ConfigError(
@@ -52,13 +64,49 @@ def validate(cfg: Config, world: World) -> None:
 def build(cfg: Config, world: World):
     """A function that starts the job's workers and waits for them."""
 
-    def launch(config_path: Path) -> None:
-        start_workers(cfg, world, config_path)
+    def launch(config_path: Path, resume_from: Path | None = None) -> None:
+        args = ["-m", "framework.worker", str(config_path)]
+        if resume_from is not None:
+            args += ["--resume", str(resume_from)]
+        with forward_signals(PREEMPT_SIGNALS):
+            start_workers(cfg, world, args)
 
     return launch
 
 
-def start_workers(cfg: Config, world: World, config_path: Path) -> None:
+@contextlib.contextmanager
+def forward_signals(signums):
+    """While workers run, pass SIGTERM/SIGUSR1 on to them (they checkpoint, then exit 75)."""
+    previous = {s: signal.getsignal(s) for s in signums}
+
+    def forward(signum, frame):
+        for pid in child_pids(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    for s in signums:
+        signal.signal(s, forward)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def child_pids(parent: int) -> list[int]:
+    """Direct children of a process (from /proc; empty where /proc is missing)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            pids.append(int(entry.parent.name))
+    return pids
+
+
+def start_workers(cfg: Config, world: World, args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -74,11 +122,17 @@ def start_workers(cfg: Config, world: World, config_path: Path) -> None:
         monitor_interval=cfg.monitor_interval,
         start_method="spawn",
         shutdown_timeout=cfg.shutdown_timeout,
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM/SIGUSR1 mean: checkpoint, then stop
         logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="fw-elastic-")),
     )
     try:
-        elastic_launch(launch_config, sys.executable)("-m", "framework.worker", str(config_path))
+        elastic_launch(launch_config, sys.executable)(*args)
     except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        if PREEMPTED_EXIT in codes and codes <= {PREEMPTED_EXIT, -signal.SIGTERM}:
+            raise WorkersPreempted(
+                "preempted: a checkpoint was saved; run the same command to continue"
+            ) from None
         raise WorkerFailure(describe_failures(err)) from None
 
 

@@ -20,20 +20,29 @@ class StepCSVLogger(Logger):
     place (truncate + append) when more metrics for the same step arrive.
     """
 
-    def __init__(self, path: Path, name: str = "run") -> None:
+    def __init__(self, path: Path, name: str = "run", resume_step: int = 0) -> None:
         super().__init__()
         self.path = Path(path)
         self._name = name
         self._columns: list[str] = ["step"]
         self._row: dict[str, Any] | None = None  # the current step's row
         self._row_offset: int | None = None  # where that row starts in the file, once written
+        if rank_zero_only.rank == 0:
+            self._start(resume_step)
+
+    def _start(self, resume_step: int) -> None:
+        """Keep the rows of steps before the resumed one; reopen the last for more metrics."""
+        kept: list[dict[str, Any]] = []
         if self.path.exists():
             with self.path.open(newline="") as fh:
-                header = next(csv.reader(fh), None)
-            if header:
-                self._columns = header
-        else:
-            self._rewrite([])
+                reader = csv.DictReader(fh)
+                self._columns = list(reader.fieldnames or ["step"])
+                kept = [r for r in reader if r.get("step") and int(r["step"]) < resume_step]
+        self._rewrite(kept)
+        if kept:
+            last = {k: v for k, v in kept[-1].items() if v not in ("", None)}
+            self._row = {"step": int(last.pop("step")), **{k: float(v) for k, v in last.items()}}
+            self._row_offset = self._offset_of_last_row()
 
     @property
     def name(self) -> str:
@@ -88,6 +97,10 @@ class StepCSVLogger(Logger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         self.save()
+
+    def _offset_of_last_row(self) -> int:
+        data = self.path.read_bytes()
+        return data.rstrip(b"\r\n").rfind(b"\n") + 1
 
     def _read_rows(self) -> list[dict[str, str]]:
         with self.path.open(newline="") as fh:

@@ -21,7 +21,9 @@ class Config:
     filename: str = doc("metrics.csv", "File name inside the run directory.")
 
 
-def build(cfg: Config, run_dir: Path, run_name: str):
+def build(cfg: Config, ctx):
     from framework.loggers._step_csv import StepCSVLogger
 
-    return StepCSVLogger(Path(run_dir) / cfg.filename, name=run_name)
+    return StepCSVLogger(
+        Path(ctx.run_dir) / cfg.filename, name=ctx.run_name, resume_step=ctx.resume_step
+    )

@@ -1,0 +1,181 @@
+"""The Lightning callback behind `callbacks.checkpoint` (imports Lightning: loaded in workers)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from framework import checkpointing, rng
+from framework.data.sampler import GlobalOrderSampler
+
+log = logging.getLogger("framework.checkpoint")
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STATE_FILE = "state.ckpt"
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGUSR1 after saving a checkpoint; rerun to continue."""
+
+    exit_code = 75  # EX_TEMPFAIL: try again later
+
+    def __init__(self, step: int) -> None:
+        super().__init__(
+            f"preempted: checkpoint saved at step {step}; run the same command to continue"
+        )
+        self.step = step
+
+
+class Checkpointer(pl.Callback):
+    """Atomic checkpoints with RNG and data position; resumable mid-epoch; preemption-aware."""
+
+    def __init__(self, cfg, ctx) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.ckpt_dir = ctx.run_dir / "checkpoints"
+        self.epoch = 0
+        self.cursor = 0  # samples (all ranks together) consumed in `epoch`
+        self.restored: dict[str, Any] | None = None
+        self.rng_states: list[dict[str, Any]] = []
+        self.last_saved = -1
+        self.signal_received: int | None = None
+        self.preempted_at: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        return "framework.checkpoint"
+
+    # ---- state carried in every checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "rng": self.rng_states,
+            "run_id": self.ctx.run_id,
+            "config_hash": self.ctx.config_hash,
+            "world_size": self.ctx.world.world_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.restored = state_dict
+
+    # ---- hooks
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.last_saved = trainer.global_step if self.restored else -1
+        if self.cfg.on_preemption:
+            for sig in PREEMPT_SIGNALS:  # installed after Lightning's own handlers, replacing them
+                signal.signal(sig, self._on_signal)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sampler = _global_order_sampler(trainer)
+        self.epoch = trainer.current_epoch
+        self.cursor = 0
+        if self.restored is not None and self.restored["epoch"] == trainer.current_epoch:
+            self.cursor = int(self.restored["cursor"])
+            if sampler is not None:
+                sampler.start = self.cursor
+            elif self.cursor:
+                log.warning(
+                    "The train loader has no GlobalOrderSampler: the data position is not restored."
+                )
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module, batch: Any, batch_idx: int
+    ) -> None:
+        if self.restored is not None and self.restored.get("rng"):
+            states = self.restored["rng"]
+            if trainer.global_rank < len(states):
+                rng.restore(states[trainer.global_rank])
+            self.restored["rng"] = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loader = trainer.train_dataloader
+        per_rank = getattr(loader, "batch_size", None) or 0
+        self.cursor += per_rank * trainer.world_size
+        step = trainer.global_step
+        preempt = self.cfg.on_preemption and trainer.strategy.reduce_boolean_decision(
+            self.signal_received is not None, all=False
+        )
+        due = self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
+        if (due or preempt) and step != self.last_saved and step > 0:
+            self.save(trainer)
+        if preempt:
+            self.preempted_at = step
+            trainer.should_stop = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self.cfg.every_n_steps is not None:
+            return
+        if trainer.global_step != self.last_saved and trainer.global_step > 0:
+            self.save(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        if self.cfg.save_on_train_end and step > 0 and step != self.last_saved:
+            self.save(trainer)
+
+    # ---- saving
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signal_received = signum  # acted on at the next step boundary, on every rank at once
+
+    def save(self, trainer: pl.Trainer) -> None:
+        step = trainer.global_step
+        tmp = self.ckpt_dir / (checkpointing.name_for(step) + ".tmp")
+        if trainer.is_global_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.rng_states = _gather(rng.capture(), trainer.world_size)
+        trainer.strategy.barrier("checkpoint-dir")
+        trainer.save_checkpoint(tmp / STATE_FILE, weights_only=False)
+        if trainer.is_global_zero:
+            metrics = {
+                k: float(v)
+                for k, v in trainer.callback_metrics.items()
+                if isinstance(v, (int, float, torch.Tensor)) and torch.as_tensor(v).numel() == 1
+            }
+            meta = {
+                "step": step,
+                "epoch": trainer.current_epoch,
+                "run_id": self.ctx.run_id,
+                "config_hash": self.ctx.config_hash,
+                "config": self.ctx.config,
+                "world_size": trainer.world_size,
+                "metrics": metrics,
+                "time": time.time(),
+                "format": "lightning",
+                "state": STATE_FILE,
+            }
+            path = checkpointing.commit(tmp, meta)
+            checkpointing.prune(
+                self.ckpt_dir,
+                self.cfg.keep_last,
+                self.cfg.keep_best,
+                self.cfg.monitor,
+                self.cfg.mode,
+            )
+            log.info("Checkpoint saved: %s", path)
+        trainer.strategy.barrier("checkpoint-commit")
+        self.rng_states = []
+        self.last_saved = step
+
+
+def _gather(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [state]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, state)
+    return out
+
+
+def _global_order_sampler(trainer: pl.Trainer) -> GlobalOrderSampler | None:
+    loader = trainer.train_dataloader
+    sampler = getattr(loader, "sampler", None)
+    return sampler if isinstance(sampler, GlobalOrderSampler) else None

@@ -1,0 +1,81 @@
+"""What a worker knows about its run besides the config: where, which run, resuming from what."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from framework.world import World
+
+SECRET = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+REDACTED = "***"
+# Config keys whose change makes a checkpoint unusable (the model or optimizer would not match).
+BREAKING = ("task._target_", "task.model.", "task.optimizer._target_", "task.data._target_", "seed")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Run directory, identity and resume point handed to plugins that need them."""
+
+    run_dir: Path
+    run_name: str
+    run_id: str
+    group: str | None
+    config: dict[str, Any]  # resolved, secrets redacted
+    world: World
+    resume_from: Path | None = None
+    resume_step: int = 0
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash(self.config)
+
+
+def redact(node: Any) -> Any:
+    """A copy of a config container with the values of secret-looking keys replaced."""
+    if isinstance(node, dict):
+        return {
+            k: (REDACTED if SECRET.search(str(k)) and v not in (None, "") else redact(v))
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [redact(v) for v in node]
+    return node
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Hash of the parts of a config a checkpoint depends on (see BREAKING)."""
+    relevant = {k: v for k, v in flatten(config).items() if k.startswith(BREAKING) or k in BREAKING}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[
+        :16
+    ]
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(breaking, harmless) differences between a checkpoint's config and the current one."""
+    a, b = flatten(old), flatten(new)
+    breaking, harmless = [], []
+    for key in sorted(set(a) | set(b)):
+        if key.startswith("run.") or a.get(key, "<absent>") == b.get(key, "<absent>"):
+            continue
+        line = f"{key}: {a.get(key, '<absent>')} -> {b.get(key, '<absent>')}"
+        (breaking if key.startswith(BREAKING) or key in BREAKING else harmless).append(line)
+    return breaking, harmless
+
+
+def load_run_state(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "run.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,77 @@
+"""Choosing what a job resumes from, before any process starts (`resume=auto|never|PATH`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from framework import checkpointing
+from framework.context import config_changes
+from framework.errors import ConfigError
+
+log = logging.getLogger("framework.resume")
+
+
+def choose(mode: str, run_dir: Path, config: dict[str, Any]) -> Path | None:
+    """The checkpoint directory to resume from, or None to start at step 0."""
+    existing = (run_dir / "config.yaml").exists()
+    if mode == "never":
+        if existing:
+            raise ConfigError(
+                "resume",
+                mode,
+                f"run.dir {run_dir} already holds a run",
+                hint="Choose a new run.dir, or resume=auto to continue it.",
+            )
+        return None
+    if mode == "auto":
+        if not existing:
+            return None
+        checkpointing.remove_incomplete(run_dir / "checkpoints")
+        ckpt = checkpointing.newest_complete(run_dir / "checkpoints")
+        if ckpt is None:
+            log.warning("No complete checkpoint in %s: starting again from step 0.", run_dir)
+            return None
+    else:
+        ckpt = explicit(Path(mode))
+    check_compatible(ckpt, config)
+    return ckpt
+
+
+def explicit(path: Path) -> Path:
+    """A checkpoint named on the command line: a checkpoint directory, `last`, or a run directory."""
+    if (path / "checkpoints").is_dir():
+        found = checkpointing.newest_complete(path / "checkpoints")
+        if found is None:
+            raise ConfigError("resume", str(path), "this run directory has no complete checkpoint")
+        return found
+    path = path.resolve()
+    if not (path / checkpointing.META).is_file():
+        raise ConfigError(
+            "resume",
+            str(path),
+            "not a checkpoint directory (no meta.json)",
+            hint="Give a run directory or one of its checkpoints/stepNNNNNNNN folders.",
+        )
+    problem = checkpointing.verify(path)
+    if problem:
+        raise ConfigError("resume", str(path), f"the checkpoint is damaged: {problem}")
+    return path
+
+
+def check_compatible(ckpt: Path, config: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model/optimizer config differs; list harmless changes."""
+    saved = checkpointing.read_meta(ckpt).get("config", {})
+    breaking, harmless = config_changes(saved, config)
+    if breaking:
+        raise ConfigError(
+            "resume",
+            str(ckpt),
+            "the checkpoint was made with a different model or optimizer ("
+            + "; ".join(breaking)
+            + ")",
+            hint="Restore those values, or train in a new run.dir.",
+        )
+    if harmless:
+        log.info("Resuming with changed settings: %s", "; ".join(harmless))
