@@ -20,18 +20,35 @@ def machine() -> dict:
 
     return {
         "cpu_cores": os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
-        # Other work on the machine slows every figure; an average above cpu_cores is a warning.
-        "load_average_1_5_15_min": [round(x, 2) for x in os.getloadavg()],
     }
 
 
-def write_results(name: str, results: dict) -> Path:
-    """Write benchmarks/results/<name>.json and return its path."""
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> float:
+    """The 1-minute load average: other work on the machine slows and scatters every figure."""
+    return round(os.getloadavg()[0], 2)
+
+
+def save_results(name: str, results: dict, load_at_start: float) -> None:
+    """Write benchmarks/results/<name>.json with the machine and its load; print where it went."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **results}, indent=2) + "\n")
-    return path
+    load = {"at_start": load_at_start, "at_end": load_average()}
+    record = {"machine": machine(), "load_average_1_min": load, **results}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(
+        f"load average (1 min) at start / end: {load['at_start']} / {load['at_end']} "
+        f"on {os.cpu_count()} cores; results: {path.relative_to(ROOT)}"
+    )

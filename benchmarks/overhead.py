@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 
-from benchmarks.common import FW, ROOT, write_results
+from benchmarks.common import FW, ROOT, load_average, save_results
 
 STEPS = 300
 WARMUP = 20
@@ -139,6 +139,7 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 def main() -> None:
+    load_at_start = load_average()
     task = OmegaConf.load(ROOT / "conf" / "task" / "digits.yaml")
     # fw gives its one process every core (framework.worker.limit_threads); so does the baseline.
     torch.set_num_threads(os.cpu_count() or 1)
@@ -172,7 +173,6 @@ def main() -> None:
         "max_abs_weight_difference": max(diffs),
         "ms_per_run": ms,
     }
-    path = write_results("overhead", results)
     print()
     print(f"{'':26}{'ms/step':>9}{'/ plain':>9}")
     for name, value in (
@@ -183,7 +183,7 @@ def main() -> None:
         print(f"{name:26}{value:>9.3f}{value / plain:>9.2f}")
     print(f"target: fw / plain <= {TARGET_RATIO}")
     print(f"max |weight difference| fw vs plain: {max(diffs):.2e}")
-    print(f"results: {path.relative_to(ROOT)}")
+    save_results("overhead", results, load_at_start)
 
 
 if __name__ == "__main__":

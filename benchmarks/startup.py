@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import FW, ROOT, write_results
+from benchmarks.common import FW, ROOT, load_average, save_results
 
 DEVICES = (1, 2)
 REPEATS = 3
@@ -72,6 +72,7 @@ def launch(command, devices: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    load_at_start = load_average()
     sides = {"fw": fw_command, "plain": plain_command}
     runs = {f"{side}_{n}": [] for n in DEVICES for side in sides}
     for repeat in range(REPEATS):
@@ -93,24 +94,25 @@ def main() -> None:
             "fw_runs": runs[f"fw_{n}"],
             "plain_runs": runs[f"plain_{n}"],
         }
-    path = write_results(
-        "startup",
-        {
-            "task": "digits",
-            "repeats": REPEATS,
-            "target_difference_s": TARGET_DIFFERENCE_S,
-            "by_processes": rows,
-        },
-    )
     print()
-    print(f"{'processes':>9}{'fw (s)':>9}{'plain (s)':>11}{'fw - plain':>12}{'ratio':>7}")
+    print(
+        f"{'processes':>9}{'fw (s)':>9}{'plain (s)':>11}{'fw - plain':>12}{'ratio':>7}"
+        f"{'total fw / plain (s)':>23}"
+    )
     for n, row in rows.items():
         print(
             f"{n:>9}{row['fw_first_step_s']:>9.2f}{row['plain_first_step_s']:>11.2f}"
             f"{row['difference_s']:>+12.2f}{row['ratio']:>7.2f}"
+            f"{row['fw_total_s']:>15.2f} / {row['plain_total_s']:.2f}"
         )
     print(f"target: fw - plain <= {TARGET_DIFFERENCE_S} s (seconds to the first training step)")
-    print(f"results: {path.relative_to(ROOT)}")
+    results = {
+        "task": "digits",
+        "repeats": REPEATS,
+        "target_difference_s": TARGET_DIFFERENCE_S,
+        "by_processes": rows,
+    }
+    save_results("startup", results, load_at_start)
 
 
 if __name__ == "__main__":

@@ -159,11 +159,30 @@ def build_callback(name: str, entry: DictConfig, ctx: RunContext) -> Any:
     return load_plugin("callbacks", entry.kind, f"callbacks.{name}.kind").build(entry, ctx)
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when the launching `fw` process dies (even by kill -9).
+
+    The elastic launcher starts each worker in its own session, so without this an orphaned
+    worker would go on training, and writing checkpoints, next to a restarted job.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from framework.callbacks._checkpointer import Preempted
 
+    die_with_parent()
     args = sys.argv[1:] if argv is None else argv
     config_path = Path(args[0])
     resume = Path(args[args.index("--resume") + 1]) if "--resume" in args else None

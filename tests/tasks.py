@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import lightning.pytorch as pl
@@ -44,3 +46,67 @@ class PlainDigits(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class SlowDigitsTask(DigitsTask):
+    """DigitsTask whose steps take at least `step_sleep` seconds, so a test can kill it mid-run."""
+
+    def __init__(self, hidden: int = 64, dropout: float = 0.1, step_sleep: float = 0.1) -> None:
+        super().__init__(hidden=hidden, dropout=dropout)
+        self.step_sleep = step_sleep
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.step_sleep)
+        return super().training_step(batch, batch_idx)
+
+
+class KillDuringSave(pl.Callback):
+    """SIGKILLs the whole job while the checkpoint of `step` is being written (once: `marker`)."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step = step
+        self.marker = marker
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_step == self.step and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+class IndexedDigits(pl.LightningDataModule):
+    """Digits whose batches also carry each sample's index, to check which samples were seen."""
+
+    def __init__(self, batch_size: int = 32) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def setup(self, stage=None) -> None:
+        from recipes.digits.data import DigitsDataModule
+
+        inner = DigitsDataModule(batch_size=self.batch_size)
+        inner.setup()
+        x, y = inner.train_set.tensors
+        self.train_set = torch.utils.data.TensorDataset(x, y, torch.arange(len(x)))
+
+    def train_dataloader(self):
+        from framework.data import make_loader
+
+        return make_loader(self.train_set, self.batch_size, shuffle=True)
+
+
+class RecordingDigitsTask(DigitsTask):
+    """Appends the sample indices of every completed step to `<out>/seen-rank<R>.txt`."""
+
+    def __init__(self, out: str, hidden: int = 16) -> None:
+        super().__init__(hidden=hidden)
+        self.out = out
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self._idx = idx
+        return super().training_step((x, y), batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        path = os.path.join(self.out, f"seen-rank{self.global_rank}.txt")
+        with open(path, "a") as fh:
+            fh.write(" ".join(str(i) for i in self._idx.tolist()) + "\n")

@@ -68,26 +68,25 @@ class Checkpointer(pl.Callback):
     # ---- hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.last_saved = trainer.global_step if self.restored else -1
+        if self.restored is not None:
+            self.epoch, self.cursor = int(self.restored["epoch"]), int(self.restored["cursor"])
+            sampler = _global_order_sampler(trainer)
+            if sampler is not None:
+                sampler.resume_at(self.epoch, self.cursor)
+            elif self.cursor:
+                log.warning(
+                    "No GlobalOrderSampler in the train loader: data position not restored."
+                )
         if self.cfg.on_preemption:
             for sig in PREEMPT_SIGNALS:  # installed after Lightning's own handlers, replacing them
                 signal.signal(sig, self._on_signal)
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sampler = _global_order_sampler(trainer)
-        self.epoch = trainer.current_epoch
-        self.cursor = 0
-        if self.restored is not None and self.restored["epoch"] == trainer.current_epoch:
-            self.cursor = int(self.restored["cursor"])
-            if sampler is not None:
-                sampler.start = self.cursor
-            elif self.cursor:
-                log.warning(
-                    "The train loader has no GlobalOrderSampler: the data position is not restored."
-                )
-
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module, batch: Any, batch_idx: int
     ) -> None:
+        # Lightning skips on_train_epoch_start when it restarts mid-epoch: detect epochs here.
+        if trainer.current_epoch != self.epoch:
+            self.epoch, self.cursor = trainer.current_epoch, 0
         if self.restored is not None and self.restored.get("rng"):
             states = self.restored["rng"]
             if trainer.global_rank < len(states):
@@ -105,13 +104,22 @@ class Checkpointer(pl.Callback):
             self.signal_received is not None, all=False
         )
         due = self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
+        # The last step is saved here, not in on_train_end: by then Lightning has closed the
+        # epoch, and a resume with a larger max_steps would start a new one.
+        due = due or (self.cfg.save_on_train_end and 0 < trainer.max_steps <= step)
         if (due or preempt) and step != self.last_saved and step > 0:
             self.save(trainer)
         if preempt:
             self.preempted_at = step
             trainer.should_stop = True
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._rng_before_validation = rng.capture()
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation leaves the RNG as it found it: a resumed run that does not repeat a
+        # validation draws the same random numbers as one that ran it.
+        rng.restore(self._rng_before_validation)
         if trainer.sanity_checking or self.cfg.every_n_steps is not None:
             return
         if trainer.global_step != self.last_saved and trainer.global_step > 0:

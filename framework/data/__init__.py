@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from framework.data.sampler import GlobalOrderSampler
@@ -29,6 +30,9 @@ def make_loader(
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     drop = shuffle if drop_last is None else drop_last
     sampler = GlobalOrderSampler(len(dataset), shuffle=shuffle, seed=seed, drop_last=drop)
+    # Worker seeds come from this generator, so starting an epoch never draws from the global RNG
+    # that dropout uses: training randomness does not depend on when loaders are (re)created.
+    generator = torch.Generator().manual_seed(seed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -36,4 +40,5 @@ def make_loader(
         drop_last=drop,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        generator=generator,
     )

@@ -2,8 +2,9 @@
 
 Every epoch has one global order (a seeded permutation, or 0..n-1 without shuffling). Rank r of W
 takes positions r, r+W, r+2W, ... of it, so the W per-rank batches of one step together hold
-exactly the samples a single process would take with a W times larger batch. A `start` offset
-(samples already consumed this epoch, across all ranks) lets a run continue mid-epoch.
+exactly the samples a single process would take with a W times larger batch. `resume_at(epoch,
+start)` skips the `start` samples (all ranks together) that epoch had already consumed, so a run
+continues mid-epoch, with any number of processes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class GlobalOrderSampler(DistributedSampler):
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
-        self.start = 0
+        self.resume_epoch = -1
+        self.resume_start = 0
 
     def global_order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -47,7 +49,8 @@ class GlobalOrderSampler(DistributedSampler):
         return torch.randperm(self.total, generator=generator)
 
     def _remaining(self) -> torch.Tensor:
-        rest = self.global_order()[self.start :]
+        start = self.resume_start if self.epoch == self.resume_epoch else 0
+        rest = self.global_order()[start:]
         world = self.num_replicas
         if self.drop_last:
             return rest[: len(rest) - len(rest) % world]
@@ -61,6 +64,9 @@ class GlobalOrderSampler(DistributedSampler):
         return len(self._remaining()) // self.num_replicas
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.start = 0
         self.epoch = epoch
+
+    def resume_at(self, epoch: int, start: int) -> None:
+        """Skip the first `start` samples of `epoch`'s global order (already trained on)."""
+        self.resume_epoch = epoch
+        self.resume_start = start

@@ -12,8 +12,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_digits_trains(devices, workdir):
-    result = fw("train", "task=digits", f"trainer.devices={devices}", "trainer.max_steps=15", *QUIET,
-                "run.dir=run", cwd=workdir)
+    result = fw(
+        "train",
+        "task=digits",
+        f"trainer.devices={devices}",
+        "trainer.max_steps=15",
+        *QUIET,
+        "run.dir=run",
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = workdir / "run"
     assert (run / "checkpoints" / "last.ckpt").is_file()
@@ -31,7 +38,14 @@ def test_digits_reaches_the_documented_accuracy(workdir):
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_gpt_trains_and_samples(devices, workdir):
-    result = fw("train", "experiment=gpt_tiny", f"trainer.devices={devices}", *QUIET, "run.dir=run", cwd=workdir)
+    result = fw(
+        "train",
+        "experiment=gpt_tiny",
+        f"trainer.devices={devices}",
+        *QUIET,
+        "run.dir=run",
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = workdir / "run"
     rows = read_metrics(run)
@@ -47,7 +61,15 @@ def test_gpt_trains_and_samples(devices, workdir):
 def test_gpt_reads_any_text_file(workdir):
     corpus = workdir / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    result = fw("train", "experiment=gpt_tiny", f"task.data.path={corpus}", "trainer.max_steps=5",
-                "trainer.val_check_interval=5", *QUIET, "run.dir=run", cwd=workdir)
+    result = fw(
+        "train",
+        "experiment=gpt_tiny",
+        f"task.data.path={corpus}",
+        "trainer.max_steps=5",
+        "trainer.val_check_interval=5",
+        *QUIET,
+        "run.dir=run",
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert any(r.get("val/loss") for r in read_metrics(workdir / "run"))

@@ -51,5 +51,7 @@ def test_evaluation_order_pads_to_equal_lengths_and_covers_all():
 def test_start_offset_skips_consumed_samples():
     full = list(GlobalOrderSampler(40, seed=3, num_replicas=1, rank=0))
     s = GlobalOrderSampler(40, seed=3, num_replicas=2, rank=1)
-    s.start = 10
+    s.resume_at(0, 10)
     assert list(s) == full[10:][1::2]
+    s.set_epoch(1)
+    assert len(list(s)) == 20, "the offset applies to the resumed epoch only"

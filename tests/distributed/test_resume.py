@@ -1,0 +1,195 @@
+"""Runs survive: kill -9 / SIGTERM and restart continue exactly; resume across process counts."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.data.sampler import GlobalOrderSampler
+from tests.conftest import FW, QUIET, fw, fw_env, read_metrics
+
+pytestmark = pytest.mark.slow
+STEPS = 40
+SLOW = [
+    "task._target_=tests.tasks.SlowDigitsTask",
+    "task.model.hidden=64",
+    "task.model.dropout=0.1",
+    "+task.model.step_sleep=0.08",
+    "task.data.batch_size=32",
+    "trainer.devices=2",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.deterministic=true",
+    "callbacks.checkpoint.every_n_steps=5",
+    "trainer.val_check_interval=10",
+    *QUIET,
+]
+
+
+def metric_rows(run: Path) -> list[tuple[int, str]]:
+    """(step, train/loss as written) of every row: text, so equality is bitwise."""
+    return [(int(r["step"]), r["train/loss"]) for r in read_metrics(run) if r.get("train/loss")]
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(run / "checkpoints" / "last" / "state.ckpt", weights_only=True)
+    return state["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    result = fw("train", *SLOW, f"run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(FW), "train", *args],
+        cwd=cwd,
+        env=fw_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        if (run / "metrics.csv").exists() and any(s >= step for s, _ in metric_rows(run)):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def assert_same_as_reference(run: Path, reference: Path) -> None:
+    got, want = metric_rows(run), metric_rows(reference)
+    assert [s for s, _ in got] == list(range(STEPS)), "each step exactly once"
+    assert got == want, "losses after the restart are bitwise those of the uninterrupted run"
+    a, b = final_weights(run), final_weights(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill_9_at_a_random_step_then_restart_is_exact(seed, reference, workdir):
+    kill_step = random.Random(seed).randint(3, STEPS - 5)
+    run = workdir / "run"
+    proc = start([*SLOW, f"run.dir={run}"], workdir)
+    wait_for_step(run, kill_step, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    again = fw("train", *SLOW, f"run.dir={run}", cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from" in again.stderr or kill_step < 5
+    assert_same_as_reference(run, reference)
+
+
+def test_kill_during_a_save_leaves_no_damage(reference, workdir):
+    run = workdir / "run"
+    marker = workdir / "killed"
+    killer = [
+        "+callbacks.killer._target_=tests.tasks.KillDuringSave",
+        "+callbacks.killer.step=15",
+        f"+callbacks.killer.marker={marker}",
+    ]
+    first = fw("train", *SLOW, *killer, f"run.dir={run}", cwd=workdir)
+    assert first.returncode != 0 and marker.exists()
+    assert (run / "checkpoints" / "step00000015.tmp").is_dir()
+    again = fw("train", *SLOW, *killer, f"run.dir={run}", cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "step00000010" in again.stderr  # resumed from the last complete checkpoint
+    assert not (run / "checkpoints" / "step00000015.tmp").exists()
+    assert_same_as_reference(run, reference)
+
+
+def test_sigterm_checkpoints_exits_75_and_the_restart_is_exact(reference, workdir):
+    run = workdir / "run"
+    proc = start([*SLOW, f"run.dir={run}"], workdir)
+    wait_for_step(run, 12, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert "run the same command to continue" in err
+    stopped = max(
+        int(p.name[4:]) for p in (run / "checkpoints").glob("step*") if p.name[4:].isdigit()
+    )
+    assert stopped >= 12 and stopped % 5 != 0 or stopped >= 12
+    again = fw("train", *SLOW, f"run.dir={run}", cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"step{stopped:08d}" in again.stderr
+    assert_same_as_reference(run, reference)
+
+
+@pytest.mark.parametrize("corruption", ["truncated", "corrupted"])
+def test_damaged_newest_checkpoint_is_skipped(corruption, workdir):
+    args = ["trainer.max_steps=20", "callbacks.checkpoint.every_n_steps=10", *QUIET, "run.dir=run"]
+    assert fw("train", *args, cwd=workdir).returncode == 0
+    state = workdir / "run" / "checkpoints" / "step00000020" / "state.ckpt"
+    data = state.read_bytes()
+    if corruption == "truncated":
+        state.write_bytes(data[: len(data) // 2])
+    else:
+        state.write_bytes(data[:1000] + bytes(b ^ 0xFF for b in data[1000:1100]) + data[1100:])
+    again = fw("train", *args[1:], "trainer.max_steps=30", cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Skipping checkpoint" in again.stderr and corruption in again.stderr
+    assert "step00000010 (step 10)" in again.stderr
+
+
+def seen(out: Path) -> list[int]:
+    return [
+        int(i)
+        for f in sorted(out.glob("seen-rank*.txt"))
+        for line in f.read_text().split("\n")
+        for i in line.split()
+    ]
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_resume_with_another_process_count_sees_every_sample_once(before, after, workdir):
+    out = workdir / "seen"
+    out.mkdir()
+    global_batch = 64
+    common = [
+        "task._target_=tests.tasks.RecordingDigitsTask",
+        f"+task.model.out={out}",
+        "~task.model.dropout",
+        "task.data._target_=tests.tasks.IndexedDigits",
+        "~task.data.val_fraction",
+        *QUIET,
+        "run.dir=run",
+    ]
+    first = fw(
+        "train",
+        *common,
+        f"trainer.devices={before}",
+        f"task.data.batch_size={global_batch // before}",
+        "trainer.max_steps=10",
+        cwd=workdir,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = fw(
+        "train",
+        *common,
+        f"trainer.devices={after}",
+        f"task.data.batch_size={global_batch // after}",
+        "trainer.max_steps=22",
+        cwd=workdir,
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = seen(out)
+    n_train = 1797 - int(1797 * 0.2)  # the digits train split
+    order = GlobalOrderSampler(n_train, seed=0, num_replicas=1, rank=0).global_order().tolist()
+    assert len(got) == len(set(got)) == 22 * global_batch, "no sample repeated"
+    assert sorted(got) == sorted(order[: 22 * global_batch]), "no sample skipped"
