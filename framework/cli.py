@@ -16,6 +16,7 @@ from framework.errors import ConfigError
 USAGE = """\
 usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per swept value)
        fw config [--config-dir DIR] [KEY=VALUE ...]       show the composed config, documented
+       fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]   write one plain state dict
        fw --help | fw train --help
 
 Examples:
@@ -52,6 +53,22 @@ def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
     return multirun, dirs, overrides, want_help
 
 
+def export_command(args: list[str]) -> int:
+    from framework.export import export
+
+    force = "--force" in args
+    paths = [a for a in args if a != "--force"]
+    if len(paths) != 2 or any(p.startswith("-") for p in paths):
+        raise ConfigError(
+            "export",
+            " ".join(args),
+            "expects a source and an output path",
+            hint="Usage: fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]",
+        )
+    export(Path(paths[0]), Path(paths[1]), force=force)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from framework.logs import setup_logging
 
@@ -77,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
 
             train(overrides, multirun=multirun, extra_dirs=dirs)
             return 0
+        if command == "export":
+            return export_command(rest)
         if command == "config":
             from framework.help import show_config
 
             sys.stdout.write(show_config(overrides, dirs))
             return 0
-        raise ConfigError("command", command, "unknown command", ["train", "config"])
+        raise ConfigError("command", command, "unknown command", ["train", "config", "export"])
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")
         return EXIT_CONFIG

@@ -1,0 +1,57 @@
+"""`callbacks.throughput`: training speed as metrics (perf/steps_per_sec, perf/samples_per_sec)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from framework.config.fields import doc
+from framework.errors import ConfigError
+
+
+@dataclass
+class Config:
+    """Log steps and samples per second, averaged over a window of steps."""
+
+    kind: str = doc("throughput", "Callback plugin.")
+    window: int = doc(10, "Average over this many optimizer steps.")
+
+
+def validate(cfg: Config, world) -> None:
+    if cfg.window < 1:
+        raise ConfigError("callbacks.throughput.window", cfg.window, "must be at least 1")
+
+
+def build(cfg: Config, ctx):
+    import time
+
+    import lightning.pytorch as pl
+
+    class Throughput(pl.Callback):
+        """Wall-clock speed of training steps, on rank 0 (validation time excluded)."""
+
+        def __init__(self) -> None:
+            self.start: float | None = None
+            self.steps = 0
+            self.samples = 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if self.start is None:
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.steps += 1
+            per_rank = getattr(trainer.train_dataloader, "batch_size", None) or 0
+            self.samples += per_rank * trainer.world_size
+            if self.steps >= cfg.window and self.start is not None:
+                seconds = time.perf_counter() - self.start
+                pl_module.log("perf/steps_per_sec", self.steps / seconds, rank_zero_only=True)
+                if self.samples:
+                    pl_module.log(
+                        "perf/samples_per_sec", self.samples / seconds, rank_zero_only=True
+                    )
+                self.start, self.steps, self.samples = None, 0, 0
+
+        def on_validation_start(self, trainer, pl_module) -> None:
+            self.start, self.steps, self.samples = None, 0, 0
+
+    return Throughput()

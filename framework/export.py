@@ -1,0 +1,78 @@
+"""`fw export RUN_DIR_OR_CHECKPOINT OUT.pt`: one plain state dict, loadable without this framework.
+
+The output is a `dict[str, torch.Tensor]` saved with `torch.save`, so
+`torch.load(path, weights_only=True)` reads it anywhere torch is installed. Keys are those of the
+task module's `state_dict()` (e.g. `model.blocks.0.attn.qkv.weight`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from framework import checkpointing
+from framework.errors import ConfigError
+
+log = logging.getLogger("framework.export")
+
+
+def find_checkpoint(source: Path) -> Path:
+    """The checkpoint directory `source` names: itself, `last`, or a run directory's newest."""
+    if not source.exists():
+        raise ConfigError(
+            "source",
+            str(source),
+            "no such file or directory",
+            hint="Give a run directory or one of its checkpoints/stepNNNNNNNN folders.",
+        )
+    if (source / "checkpoints").is_dir():
+        found = checkpointing.newest_complete(source / "checkpoints")
+        if found is None:
+            raise ConfigError(
+                "source", str(source), "this run directory has no complete checkpoint"
+            )
+        return found
+    source = source.resolve()
+    problem = checkpointing.verify(source)
+    if problem:
+        raise ConfigError("source", str(source), f"not a usable checkpoint: {problem}")
+    return source
+
+
+def consolidated_state(ckpt: Path) -> dict:
+    """The full, unsharded model state of a checkpoint, as CPU tensors."""
+    import torch
+
+    meta = checkpointing.read_meta(ckpt)
+    fmt = meta.get("format", "lightning")
+    if fmt != "lightning":
+        raise ConfigError(
+            "source", str(ckpt), f"checkpoint format '{fmt}' cannot be exported", ["lightning"]
+        )
+    state = torch.load(
+        ckpt / meta.get("state", "state.ckpt"), map_location="cpu", weights_only=True
+    )
+    return {
+        k: v.detach().cpu().contiguous().clone()
+        for k, v in state["state_dict"].items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def export(source: Path, out: Path, force: bool = False) -> Path:
+    import torch
+
+    if out.exists() and not force:
+        raise ConfigError(
+            "out", str(out), "already exists", hint="Choose another path or add --force."
+        )
+    if not out.parent.is_dir():
+        raise ConfigError("out", str(out), f"directory {out.parent} does not exist")
+    ckpt = find_checkpoint(source)
+    state = consolidated_state(ckpt)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    log.info("Exported %d tensors from %s to %s", len(state), ckpt, out)
+    return out

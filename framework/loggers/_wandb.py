@@ -1,0 +1,91 @@
+"""The W&B logger behind `logger=wandb` (imports wandb and Lightning: loaded in workers)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Any
+
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from framework.context import REDACTED, SECRET
+
+log = logging.getLogger("framework.wandb")
+
+
+class RunWandbLogger(WandbLogger):
+    """Lightning's WandbLogger that says how to upload an offline run when training ends."""
+
+    def __init__(self, offline_dir: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._offline_dir = offline_dir
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        if self._offline_dir:
+            log.info(
+                "W&B logged offline to %s; upload it with: wandb sync %s",
+                self._offline_dir,
+                self._offline_dir,
+            )
+
+
+def make_logger(cfg, ctx, mode: str) -> RunWandbLogger:
+    """Create the W&B run now on rank 0 (falling back to offline), a placeholder elsewhere."""
+    kwargs = {"save_dir": str(ctx.run_dir), "id": ctx.run_id, "log_model": False}
+    if rank_zero_only.rank != 0:
+        return RunWandbLogger(**kwargs, mode="disabled")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    if not os.environ.get("WANDB_MODE", "x"):
+        del os.environ["WANDB_MODE"]  # an empty value makes wandb fail; it means "unset"
+    run = init_run(cfg, ctx, mode)
+    offline = run.settings.mode == "offline" and getattr(run, "dir", None)
+    offline_dir = os.path.dirname(run.dir) if offline else None
+    return RunWandbLogger(offline_dir=offline_dir, experiment=run, **kwargs)
+
+
+def init_run(cfg, ctx, mode: str):
+    import wandb
+
+    args = {
+        "id": ctx.run_id,
+        "resume": "allow",
+        "dir": str(ctx.run_dir),
+        "project": cfg.project or os.environ.get("WANDB_PROJECT") or "framework",
+        "entity": cfg.entity,
+        "group": cfg.group or ctx.group,
+        "tags": list(cfg.tags) or None,
+        "name": cfg.name or ctx.run_name,
+        "notes": cfg.notes,
+        "config": ctx.config,
+    }
+    settings = wandb.Settings(
+        init_timeout=cfg.init_timeout, disable_code=True, disable_git=True, silent=True
+    )
+    with redacted_argv():
+        if mode == "online":
+            try:
+                return wandb.init(mode="online", settings=settings, **args)
+            except Exception as err:  # unreachable server, bad key: keep training, log offline
+                log.warning("W&B online init failed (%s); logging offline instead.", err)
+        return wandb.init(mode=mode, settings=settings, **args)
+
+
+@contextlib.contextmanager
+def redacted_argv():
+    """W&B records the command line: hide values of secret-looking `key=value` arguments."""
+    saved = list(sys.argv)
+    sys.argv = [
+        f"{a.partition('=')[0]}={REDACTED}"
+        if "=" in a and SECRET.search(a.partition("=")[0])
+        else a
+        for a in saved
+    ]
+    try:
+        yield
+    finally:
+        sys.argv = saved
