@@ -1,9 +1,10 @@
-"""The digits task written the usual Lightning way, with no framework: the startup baseline.
+"""The digits task written the usual Lightning way, with no framework: the benchmarks' baseline.
 
 `python -m benchmarks.plain_lightning --devices N --max-steps S [--first-step PATH]
-[--step-times PATH] [--bare]` trains the same MLP, on the same data split, with the same AdamW settings as
-`fw train task=digits`. With two devices it uses Lightning's own `ddp` strategy, which starts the
-second process by re-running this command.
+[--step-times PATH] [--bare]` trains the same MLP, on the same data split, with the same AdamW
+settings as `fw train task=digits`. With two devices it uses Lightning's own `ddp` strategy, which
+starts the second process by re-running this command. Used by benchmarks.startup (against `fw
+train`) and by benchmarks.overhead (to tell Lightning's per-step cost from the framework's).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import tempfile
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -83,7 +85,7 @@ def main() -> None:
         callbacks=callbacks,
         enable_progress_bar=False,
         default_root_dir=args.root,
-        logger=not args.bare,
+        logger=False if args.bare else CSVLogger(args.root),  # as fw's logger=[csv]
         enable_checkpointing=not args.bare,
     )
     trainer.fit(model, train_loader(task.data.batch_size, task.data.val_fraction))

@@ -4,8 +4,11 @@ For one and two processes, each side is launched REPEATS times, alternating: `fw
 task=digits` and `python -m benchmarks.plain_lightning` (the same model written the usual
 Lightning way, `strategy="ddp"` for two processes). The launcher puts time.time() in $BENCH_T0
 just before starting the command; a FirstStep callback on rank 0 writes the seconds elapsed when
-batch 0 starts, then training goes on to max_steps=2. Both sides keep their default logger and
-checkpointing. The figures are medians; total is the time until the command exits.
+batch 0 starts, then training goes on to max_steps=2. Both sides keep checkpointing on and log to
+CSV only. One more case measures fw with its default loggers (CSV and W&B, forced offline), to
+show what W&B adds to startup. The figures
+are medians (best is the fastest run, the least disturbed by other work on the machine); total
+is the time until the command has exited.
 
 Run from the repository root: `python -m benchmarks.startup` (or `make bench`).
 """
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from benchmarks.common import FW, ROOT, load_average, save_results
@@ -27,7 +31,7 @@ REPEATS = 3
 TARGET_DIFFERENCE_S = 1.0
 
 
-def fw_command(devices: int, workdir: Path, first_step: Path) -> list[str]:
+def fw_command(devices: int, workdir: Path, first_step: Path, loggers: list[str]) -> list[str]:
     return [
         FW,
         "train",
@@ -37,6 +41,7 @@ def fw_command(devices: int, workdir: Path, first_step: Path) -> list[str]:
         "trainer.max_steps=2",
         "trainer.enable_progress_bar=false",
         f"run.dir={workdir / 'run'}",
+        *loggers,
         "+callbacks.first_step._target_=benchmarks.step_timer.FirstStep",
         f"+callbacks.first_step.path={first_step}",
     ]
@@ -54,63 +59,61 @@ def plain_command(devices: int, workdir: Path, first_step: Path) -> list[str]:
     ]
 
 
+def cases():
+    """(name, processes, command) of each measured case, in the order they alternate."""
+    for n in DEVICES:
+        yield f"fw_{n}", n, partial(fw_command, loggers=["logger=[csv]"])
+        yield f"plain_{n}", n, plain_command
+    yield "fw_default_loggers_1", 1, partial(fw_command, loggers=[])
+
+
 def launch(command, devices: int) -> tuple[float, float]:
     """(seconds to the first training step, seconds until the command exited)."""
     with tempfile.TemporaryDirectory(prefix="fw-bench-") as tmp:
         first_step = Path(tmp) / "first_step"
         args = command(devices, Path(tmp), first_step)
-        t0 = time.time()
-        subprocess.run(
-            args,
-            cwd=ROOT,
-            env={**os.environ, "BENCH_T0": repr(t0)},
-            check=True,
-            capture_output=True,
-        )
-        total = time.time() - t0
+        env = {**os.environ, "WANDB_MODE": "offline", "BENCH_T0": repr(time.time())}
+        subprocess.run(args, cwd=ROOT, env=env, check=True, capture_output=True)
+        total = time.time() - float(env["BENCH_T0"])
         return float(first_step.read_text()), total
 
 
 def main() -> None:
     load_at_start = load_average()
-    sides = {"fw": fw_command, "plain": plain_command}
-    runs = {f"{side}_{n}": [] for n in DEVICES for side in sides}
+    runs: dict[str, list[tuple[float, float]]] = {}
     for repeat in range(REPEATS):
-        for n in DEVICES:
-            for side, command in sides.items():
-                runs[f"{side}_{n}"].append(launch(command, n))
+        for name, n, command in cases():
+            runs.setdefault(name, []).append(launch(command, n))
         print(f"repeat {repeat + 1}/{REPEATS} done")
-    rows = {}
-    for n in DEVICES:
-        fw = statistics.median(first for first, _ in runs[f"fw_{n}"])
-        plain = statistics.median(first for first, _ in runs[f"plain_{n}"])
-        rows[n] = {
-            "fw_first_step_s": fw,
-            "plain_first_step_s": plain,
-            "difference_s": fw - plain,
-            "ratio": fw / plain,
-            "fw_total_s": statistics.median(total for _, total in runs[f"fw_{n}"]),
-            "plain_total_s": statistics.median(total for _, total in runs[f"plain_{n}"]),
-            "fw_runs": runs[f"fw_{n}"],
-            "plain_runs": runs[f"plain_{n}"],
-        }
+    first = {name: statistics.median(f for f, _ in r) for name, r in runs.items()}
+    total = {name: statistics.median(t for _, t in r) for name, r in runs.items()}
+    best = {name: min(f for f, _ in r) for name, r in runs.items()}  # least disturbed by others
     print()
     print(
         f"{'processes':>9}{'fw (s)':>9}{'plain (s)':>11}{'fw - plain':>12}{'ratio':>7}"
         f"{'total fw / plain (s)':>23}"
     )
-    for n, row in rows.items():
+    for n in DEVICES:
+        fw, plain = first[f"fw_{n}"], first[f"plain_{n}"]
         print(
-            f"{n:>9}{row['fw_first_step_s']:>9.2f}{row['plain_first_step_s']:>11.2f}"
-            f"{row['difference_s']:>+12.2f}{row['ratio']:>7.2f}"
-            f"{row['fw_total_s']:>15.2f} / {row['plain_total_s']:.2f}"
+            f"{n:>9}{fw:>9.2f}{plain:>11.2f}{fw - plain:>+12.2f}{fw / plain:>7.2f}"
+            f"{total[f'fw_{n}']:>15.2f} / {total[f'plain_{n}']:.2f}"
         )
+    defaults = first["fw_default_loggers_1"]
+    print(
+        f"1 process, fw with its default loggers (CSV + W&B offline): {defaults:.2f} s "
+        f"({defaults - first['plain_1']:+.2f} s vs plain)"
+    )
     print(f"target: fw - plain <= {TARGET_DIFFERENCE_S} s (seconds to the first training step)")
     results = {
         "task": "digits",
         "repeats": REPEATS,
         "target_difference_s": TARGET_DIFFERENCE_S,
-        "by_processes": rows,
+        "first_step_s": first,
+        "best_first_step_s": best,
+        "total_s": total,
+        "difference_s": {n: first[f"fw_{n}"] - first[f"plain_{n}"] for n in DEVICES},
+        "runs_first_step_and_total_s": runs,
     }
     save_results("startup", results, load_at_start)
 

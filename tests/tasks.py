@@ -110,3 +110,11 @@ class RecordingDigitsTask(DigitsTask):
         path = os.path.join(self.out, f"seen-rank{self.global_rank}.txt")
         with open(path, "a") as fh:
             fh.write(" ".join(str(i) for i in self._idx.tolist()) + "\n")
+
+
+class TokenDigits(PlainDigits):
+    """A task that takes a secret (an API token) as an argument."""
+
+    def __init__(self, hidden: int = 32, lr: float = 0.01, api_token: str = "") -> None:
+        super().__init__(hidden=hidden, lr=lr)
+        self.token_length = len(api_token)

@@ -26,6 +26,8 @@ class RunWandbLogger(WandbLogger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         super().finalize(status)
+        if self._experiment is not None:  # end the run: the next job in this process gets its own
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
         if self._offline_dir:
             log.info(
                 "W&B logged offline to %s; upload it with: wandb sync %s",
@@ -40,7 +42,10 @@ def make_logger(cfg, ctx, mode: str) -> RunWandbLogger:
     if rank_zero_only.rank != 0:
         return RunWandbLogger(**kwargs, mode="disabled")
     os.environ.setdefault("WANDB_SILENT", "true")
-    if not os.environ.get("WANDB_MODE", "x"):
+    if mode in ("offline", "disabled"):
+        # Also W&B's process-wide settings: otherwise its usage telemetry still goes online.
+        os.environ["WANDB_MODE"] = mode
+    elif not os.environ.get("WANDB_MODE", "x"):
         del os.environ["WANDB_MODE"]  # an empty value makes wandb fail; it means "unset"
     run = init_run(cfg, ctx, mode)
     offline = run.settings.mode == "offline" and getattr(run, "dir", None)

@@ -56,11 +56,11 @@ def test_run_dir_under_a_file_is_refused(workdir):
     assert blocker.read_text() == "keep me"
 
 
-def test_existing_run_is_not_overwritten(workdir):
+def test_existing_run_is_not_overwritten_with_resume_never(workdir):
     run = workdir / "run"
     run.mkdir()
     (run / "config.yaml").write_text("seed: 7\n")
-    result = fw("train", f"run.dir={run}", cwd=workdir)
+    result = fw("train", f"run.dir={run}", "resume=never", cwd=workdir)
     assert result.returncode == 2 and "already holds a run" in result.stderr
     assert (run / "config.yaml").read_text() == "seed: 7\n"
 

@@ -1,0 +1,196 @@
+"""W&B offline tracking follows the run; config checks on resume; secrets; export."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from tests.conftest import QUIET, fw, fw_env
+
+pytestmark = pytest.mark.slow
+
+
+class ConnectionCounter:
+    """A local TCP port standing in for the W&B server: counts connection attempts."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.sock.settimeout(0.2)
+        self.count = 0
+        self.running = True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while self.running:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.count += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join()
+        self.sock.close()
+
+
+def wandb_env(server: ConnectionCounter) -> dict[str, str]:
+    env = fw_env()
+    env.pop("WANDB_MODE", None)  # auto: no API key, so offline
+    env.update(WANDB_BASE_URL=server.url, HOME=env.get("HOME", "/root"), WANDB_API_KEY="")
+    return env
+
+
+def run_fw(args, cwd, env):
+    from tests.conftest import FW
+
+    return subprocess.run(
+        [str(FW), "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_wandb_offline_one_run_per_job_same_id_after_restart(workdir):
+    server = ConnectionCounter()
+    try:
+        env = wandb_env(server)
+        args = ["trainer.devices=2", "trainer.max_steps=6", *QUIET, "run.dir=run"]
+        first = run_fw(args, workdir, env)
+        assert first.returncode == 0, first.stderr[-3000:]
+        assert "wandb sync" in first.stderr
+        again = run_fw(
+            ["trainer.devices=2", "trainer.max_steps=12", *QUIET, "run.dir=run"], workdir, env
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+    finally:
+        server.close()
+    assert server.count == 0, "no network access may be attempted"
+    runs = sorted((workdir / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2, "one W&B run directory per start, none per extra rank"
+    run_id = (workdir / "run" / "run.json").read_text().split('"run_id": "')[1].split('"')[0]
+    assert all(r.name.endswith(run_id) for r in runs), "a restart logs to the same run"
+    log = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"recipes.digits.task.DigitsTask" in log and b"max_steps" in log, (
+        "the config is recorded"
+    )
+
+
+def test_multirun_jobs_share_one_wandb_group(workdir):
+    env = fw_env()
+    env["WANDB_MODE"] = "offline"
+    result = run_fw(["-m", "seed=1,2", "trainer.max_steps=3", *QUIET], workdir, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = next((workdir / "runs").iterdir())
+    logs = [
+        next((sweep / n / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes() for n in "01"
+    ]
+    assert all(sweep.name.encode() in log for log in logs)
+
+
+def test_secrets_never_reach_disk(workdir):
+    env = fw_env()
+    env.update(WANDB_MODE="offline", WANDB_API_KEY="sk-live-0123456789abcdef")
+    result = run_fw(
+        [
+            "task._target_=tests.tasks.PlainDigits",
+            "~task.model.dropout",
+            "task.model.hidden=8",
+            "+task.model.api_token=tok-secret-42",
+            "trainer.max_steps=3",
+            *QUIET,
+            "run.dir=run",
+        ],
+        workdir,
+        env,
+    )
+    # PlainDigits takes no api_token: the run is refused, before anything is written
+    assert result.returncode == 2 and not (workdir / "run").exists()
+    result = run_fw(
+        [
+            "task._target_=tests.tasks.TokenDigits",
+            "~task.model.dropout",
+            "task.model.hidden=8",
+            "+task.model.api_token=tok-secret-42",
+            "trainer.max_steps=3",
+            *QUIET,
+            "run.dir=run",
+        ],
+        workdir,
+        env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for path in (workdir / "run").rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert b"tok-secret-42" not in data and b"sk-live-0123456789abcdef" not in data, path
+    assert "api_token: '***'" in (workdir / "run" / "config.yaml").read_text()
+
+
+def test_resume_refuses_a_different_model_and_lists_harmless_changes(workdir):
+    args = ["trainer.max_steps=4", *QUIET, "run.dir=run"]
+    assert fw("train", *args, cwd=workdir).returncode == 0
+    bad = fw("train", *args, "task.model.hidden=64", cwd=workdir)
+    assert bad.returncode == 2 and "task.model.hidden: 128 -> 64" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    ok = fw(
+        "train",
+        "trainer.max_steps=8",
+        "trainer.log_every_n_steps=2",
+        *QUIET,
+        "run.dir=run",
+        cwd=workdir,
+    )
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert (
+        "trainer.max_steps: 4 -> 8" in ok.stderr
+        and "trainer.log_every_n_steps: 10 -> 2" in ok.stderr
+    )
+
+
+def test_resume_from_an_explicit_checkpoint_into_a_new_run(workdir):
+    assert fw("train", "trainer.max_steps=4", *QUIET, "run.dir=a", cwd=workdir).returncode == 0
+    b = fw(
+        "train",
+        "trainer.max_steps=6",
+        f"resume={workdir}/a/checkpoints/last",
+        *QUIET,
+        "run.dir=b",
+        cwd=workdir,
+    )
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert "(step 4)" in b.stderr
+    meta = (workdir / "b" / "checkpoints" / "last" / "meta.json").read_text()
+    assert '"step": 6' in meta
+
+
+def test_export_gives_a_plain_state_dict(workdir):
+    assert fw("train", "trainer.max_steps=4", *QUIET, "run.dir=run", cwd=workdir).returncode == 0
+    out = workdir / "model.pt"
+    result = fw("export", str(workdir / "run"), str(out), cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    # loaded by plain torch, in a process that never imports the framework
+    code = (
+        "import sys, torch; s = torch.load(sys.argv[1], weights_only=True);"
+        "assert 'framework' not in sys.modules; print(sorted(s))"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code, str(out)], capture_output=True, text=True, check=True
+    )
+    assert "net.0.weight" in shown.stdout
+    ckpt = torch.load(workdir / "run" / "checkpoints" / "last" / "state.ckpt", weights_only=True)
+    exported = torch.load(out, weights_only=True)
+    assert all(torch.equal(exported[k], ckpt["state_dict"][k]) for k in exported)
+    again = fw("export", str(workdir / "run"), str(out), cwd=workdir)
+    assert again.returncode == 2 and "already exists" in again.stderr
