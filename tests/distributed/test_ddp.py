@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import FW, QUIET, fw, fw_env, losses, tree
 
@@ -55,7 +56,13 @@ def test_ddp_job_makes_one_run_dir_and_nothing_else(workdir):
     files = tree(workdir)
     assert {p.split("/")[0] for p in files} == {"run"}
     assert sum(p.endswith("config.yaml") for p in files) == 1
-    assert {"run/config.yaml", "run/metrics.csv", "run/checkpoints/last.ckpt"} <= files
+    assert {
+        "run/config.yaml",
+        "run/metrics.csv",
+        "run/run.json",
+        "run/checkpoints/step00000012/state.ckpt",
+        "run/checkpoints/last",
+    } <= files
     cfg = (workdir / "run" / "config.yaml").read_text()
     assert "${" not in cfg and f"dir: {workdir}/run" in cfg, (
         "config.yaml is resolved, run.dir absolute"
@@ -74,10 +81,12 @@ def test_multirun_gives_independent_jobs(workdir):
         and configs[1].endswith("/1/config.yaml")
     )
     assert {p.split("/")[0] for p in tree(workdir)} == {"runs"}
-    seeds = sorted((workdir / c).read_text().split("\nseed: ")[1].strip() for c in configs)
-    assert seeds == ["1", "2"]
+    seeds = sorted(yaml.safe_load((workdir / c).read_text())["seed"] for c in configs)
+    assert seeds == [1, 2]
     weights = [
-        torch.load(workdir / c.replace("config.yaml", "checkpoints/last.ckpt"), weights_only=False)
+        torch.load(
+            workdir / c.replace("config.yaml", "checkpoints/last/state.ckpt"), weights_only=True
+        )
         for c in configs
     ]
     w0, w1 = (w["state_dict"]["net.0.weight"] for w in weights)

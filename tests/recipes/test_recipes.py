@@ -23,8 +23,8 @@ def test_digits_trains(devices, workdir):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     run = workdir / "run"
-    assert (run / "checkpoints" / "last.ckpt").is_file()
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert (run / "checkpoints" / "last" / "state.ckpt").is_file()
+    ckpt = torch.load(run / "checkpoints" / "last" / "state.ckpt", weights_only=True)
     assert ckpt["global_step"] == 15
     assert max(losses(run)) > 0
 
