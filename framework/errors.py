@@ -24,13 +24,15 @@ class ConfigError(Exception):
         self.problem = problem
         self.choices = [str(c) for c in choices] if choices is not None else None
         self.hint = hint
-        self.near = near if near is not None else str(value)
+        # Suggest a close match for names, not for numbers (64 is not "close" to 4).
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        self.near = near if near is not None else (None if numeric else str(value))
         super().__init__(self.render())
 
     def render(self) -> str:
         parts = [f"{self.key}={_short(self.value)}: {self.problem}."]
         if self.choices is not None:
-            close = difflib.get_close_matches(self.near, self.choices, n=1)
+            close = difflib.get_close_matches(self.near, self.choices, n=1) if self.near else []
             if close:
                 parts.append(f"Did you mean '{close[0]}'?")
             listed = ", ".join(self.choices) if self.choices else "(none)"

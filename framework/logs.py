@@ -17,7 +17,7 @@ class _DropNoise(logging.Filter):
 
 def setup_logging(rank: int | None = None) -> None:
     """`framework` logs at INFO on rank 0 (WARNING elsewhere); known third-party noise is dropped."""
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) if rank is None else rank
     logger = logging.getLogger("framework")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)

@@ -25,7 +25,7 @@ from framework.context import flatten, load_run_state, redact
 from framework.errors import ConfigError
 from framework.plugins import load_plugin
 from framework.worker import SECRETS_ENV
-from framework.world import World
+from framework.world import World, global_rank
 
 log = logging.getLogger("framework.runner")
 
@@ -84,7 +84,13 @@ def plan(
 
 
 def _sweeps_key(key: str, overrides: list[str]) -> bool:
-    return any(o.lstrip("+").partition("=")[0] == key for o in overrides)
+    """Whether a multirun sweeps over `key` (then each job names its own value)."""
+    from framework.config.compose import parse_overrides
+
+    return any(
+        o.get_key_element().lstrip("+") == key and o.is_sweep_override()
+        for o in parse_overrides(overrides)
+    )
 
 
 def resolve(cfg: DictConfig) -> None:
@@ -164,7 +170,7 @@ def run_job(job: Job) -> None:
     """Start the job's workers (or train here when it is one process or inside torchrun/SLURM)."""
     from framework import worker
 
-    is_rank0 = os.environ.get("RANK", "0") == "0"
+    is_rank0 = global_rank() == 0
     external = external_job_id() is not None
     if is_rank0:
         config_path = write_config(job)
@@ -179,7 +185,6 @@ def run_job(job: Job) -> None:
         job.cfg.launcher, job.world
     )
     launch(config_path, job.resume_from)
-    log.info("Outputs in %s", job.run_dir)
 
 
 def train(

@@ -34,13 +34,22 @@ class World:
         """The world of a running worker, read from the launcher's environment variables."""
         planned = cls.planned(trainer_cfg)
         return cls(
-            world_size=int(os.environ.get("WORLD_SIZE", planned.world_size)),
+            world_size=int(env("WORLD_SIZE", "SLURM_NTASKS", planned.world_size)),
             devices=planned.devices,
             num_nodes=planned.num_nodes,
             accelerator=planned.accelerator,
-            rank=int(os.environ.get("RANK", 0)),
-            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            rank=int(env("RANK", "SLURM_PROCID", 0)),
+            local_rank=int(env("LOCAL_RANK", "SLURM_LOCALID", 0)),
         )
+
+
+def env(name: str, slurm_name: str, default):
+    """A torchrun variable, else its SLURM equivalent (srun sets only those), else `default`."""
+    return os.environ.get(name, os.environ.get(slurm_name, default))
+
+
+def global_rank() -> int:
+    return int(env("RANK", "SLURM_PROCID", 0))
 
 
 def resolve_accelerator(name: str) -> str:

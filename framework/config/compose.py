@@ -8,6 +8,7 @@ working directory, nor creates `outputs/`, nor configures logging. Multirun swee
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -20,13 +21,15 @@ from omegaconf.errors import OmegaConfBaseException
 from framework.config.store import register
 from framework.errors import ConfigError
 
+log = logging.getLogger("framework.config")
+
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 PRIMARY = "train"
 GROUPS = ("task", "strategy", "trainer", "logger", "callbacks", "launcher", "experiment", "debug")
 
 
 def search_dirs(extra: list[Path] | None = None) -> list[Path]:
-    """Config directories, user ones first so they can shadow built-in options."""
+    """Config directories: the built-in one, then the user's (which add options to groups)."""
     return [*(Path(p).resolve() for p in extra or []), CONF_DIR]
 
 
@@ -73,9 +76,24 @@ def check_group_choices(overrides: list[str], extra: list[Path] | None = None) -
         value = o.value()
         chosen = value if isinstance(value, list) else [value]
         valid = group_options(key, extra)
+        warn_shadowed(key, extra)
         for option in chosen:
             if option is not None and str(option) not in valid:
                 raise ConfigError(key, option, f"no such option in group '{key}'", valid)
+
+
+def warn_shadowed(group: str, extra: list[Path] | None) -> None:
+    """A user option named like a built-in one is never used: say so instead of ignoring it."""
+    builtin = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+    for root in extra or []:
+        for p in (Path(root) / group).glob("*.yaml"):
+            if p.stem in builtin:
+                log.warning(
+                    "%s is hidden by the built-in option %s=%s; give yours another name.",
+                    p,
+                    group,
+                    p.stem,
+                )
 
 
 def compose_config(overrides: list[str], extra_dirs: list[Path] | None = None) -> DictConfig:

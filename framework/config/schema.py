@@ -82,7 +82,9 @@ class TrainerConfig:
     benchmark: bool | None = doc(None, "cudnn.benchmark (None: Lightning's default).")
     enable_progress_bar: bool = doc(True, "Show a progress bar on the console (rank 0).")
     enable_model_summary: bool = doc(True, "Print a table of the model's layers at start.")
-    overfit_batches: float = doc(0.0, "Train and validate on this many batches only (debugging).")
+    overfit_batches: Any = doc(
+        0, "Train and validate on this many batches (int) or fraction (float) only (debugging)."
+    )
     fast_dev_run: int = doc(0, "Run N train and val batches once, with no logging or checkpoints.")
     profiler: str | None = doc(None, "Lightning profiler.", (None, "simple", "advanced", "pytorch"))
     detect_anomaly: bool = doc(False, "Enable autograd anomaly detection (slow).")

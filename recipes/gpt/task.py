@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from framework import TaskModule
+from framework import ConfigError, TaskModule
 from recipes.gpt.model import GPT
 
 log = logging.getLogger("framework.recipes.gpt")
@@ -32,6 +32,20 @@ class GPTTask(TaskModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+
+    @staticmethod
+    def validate_config(prefix: str, args: dict) -> None:
+        n_embd, n_head = args.get("n_embd", 128), args.get("n_head", 4)
+        if n_head < 1 or n_embd % n_head:
+            raise ConfigError(
+                f"{prefix}.n_head",
+                n_head,
+                f"must divide n_embd={n_embd}",
+                [str(h) for h in range(1, n_embd + 1) if n_embd % h == 0][:12],
+            )
+        for key in ("n_layer", "block_size", "vocab_size"):
+            if key in args and args[key] < 1:
+                raise ConfigError(f"{prefix}.{key}", args[key], "must be at least 1")
 
     def param_groups(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]

@@ -20,6 +20,10 @@ CASES = {
         ["task._target_", "DigitsTask"],
     ),
     "bad override syntax": (["trainer.max_steps"], ["trainer.max_steps", "key=value"]),
+    "heads not dividing width": (
+        ["task=gpt", "task.model.n_head=3"],
+        ["task.model.n_head=3", "n_embd=128"],
+    ),
     "unknown option flag": (["--fast"], ["--fast", "--multirun"]),
     "sweep without -m": (["seed=1,2"], ["-m"]),
 }

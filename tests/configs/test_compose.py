@@ -106,3 +106,19 @@ def test_task_arguments_are_checked_against_the_signature():
     cfg = compose_config(["task.optimizer.lr=fast"])
     with pytest.raises(ConfigError, match="task.optimizer.lr"):
         validate(cfg)
+
+
+def test_multirun_jobs_get_numbered_run_dirs_under_a_given_run_dir(tmp_path):
+    from framework.runner import plan
+
+    jobs = plan(["seed=1,2", f"run.dir={tmp_path}/sweep"], multirun=True)
+    assert [j.run_dir for j in jobs] == [tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"]
+    assert [j.cfg.seed for j in jobs] == [1, 2]
+    swept = plan([f"run.dir={tmp_path}/a,{tmp_path}/b"], multirun=True)
+    assert [j.run_dir for j in swept] == [tmp_path / "a", tmp_path / "b"]
+    assert not any(tmp_path.iterdir()), "planning writes nothing"
+
+
+def test_overfit_batches_keeps_an_integer_count():
+    cfg = compose_config(["debug=overfit"])
+    assert cfg.trainer.overfit_batches == 1 and isinstance(cfg.trainer.overfit_batches, int)
