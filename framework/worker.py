@@ -39,6 +39,10 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     cfg = with_secrets(cfg)
     ctx = make_context(cfg, run_dir, resume_from)
     world = ctx.world
+    # Read at import time by Lightning; a forked worker inherited the launcher's value (0).
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank_zero_only.rank = world.rank
     limit_threads(world)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = build_task(cfg.task)
@@ -175,6 +179,23 @@ def die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if os.getppid() == 1:  # the parent died before the request took effect
         os._exit(1)
+
+
+def forked_entry(config_path: str, resume: str) -> None:
+    """A worker forked from the `fw` process: Lightning and the task are already imported."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)  # not the launcher's handlers, copied by fork
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    die_with_parent()
+    from framework.callbacks._checkpointer import Preempted
+
+    path = Path(config_path)
+    try:
+        run(OmegaConf.load(path), path.parent, Path(resume) if resume else None)
+    except Preempted as stop:
+        sys.exit(stop.exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,6 +40,7 @@ def fw(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.
         capture_output=True,
         text=True,
         timeout=timeout,
+        start_new_session=True,  # its own process group, as a job started from a shell
     )
 
 

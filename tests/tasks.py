@@ -70,7 +70,8 @@ class KillDuringSave(pl.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if trainer.global_step == self.step and not os.path.exists(self.marker):
             open(self.marker, "w").close()
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            # the launcher's process group: `fw` and forked workers (spawned ones die with `fw`)
+            os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
 
 
 class IndexedDigits(pl.LightningDataModule):

@@ -9,7 +9,9 @@ reported with the rank, its exit code and its exception.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -38,6 +40,12 @@ class Config:
         2, "On CPU, the most worker processes allowed per core (trainer.devices is checked)."
     )
     rdzv_endpoint: str = doc("localhost:0", "Rendezvous address (port 0: any free port).")
+    start_method: str = doc(
+        "auto",
+        "fork: workers are copies of the fw process (no second import of torch and Lightning); "
+        "spawn: fresh interpreters; auto: fork on CPU, spawn on CUDA.",
+        ("auto", "fork", "spawn"),
+    )
 
 
 class WorkerFailure(RuntimeError):
@@ -65,11 +73,20 @@ def build(cfg: Config, world: World):
     """A function that starts the job's workers and waits for them."""
 
     def launch(config_path: Path, resume_from: Path | None = None) -> None:
-        args = ["-m", "framework.worker", str(config_path)]
-        if resume_from is not None:
-            args += ["--resume", str(resume_from)]
+        method = cfg.start_method
+        if method == "auto":
+            # CUDA cannot be used in a forked child once the parent touched it.
+            method = "spawn" if world.is_cuda else "fork"
+        if method == "fork":
+            from framework.worker import forked_entry
+
+            entrypoint, args = forked_entry, (str(config_path), str(resume_from or ""))
+        else:
+            entrypoint, args = sys.executable, ("-m", "framework.worker", str(config_path))
+            if resume_from is not None:
+                args += ("--resume", str(resume_from))
         with forward_signals(PREEMPT_SIGNALS):
-            start_workers(cfg, world, args)
+            start_workers(cfg, world, method, entrypoint, args)
 
     return launch
 
@@ -106,11 +123,12 @@ def child_pids(parent: int) -> list[int]:
     return pids
 
 
-def start_workers(cfg: Config, world: World, args: list[str]) -> None:
+def start_workers(cfg: Config, world: World, method: str, entrypoint, args: tuple) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -120,32 +138,42 @@ def start_workers(cfg: Config, world: World, args: list[str]) -> None:
         rdzv_endpoint=cfg.rdzv_endpoint,
         max_restarts=0,
         monitor_interval=cfg.monitor_interval,
-        start_method="spawn",
+        start_method=method,
         shutdown_timeout=cfg.shutdown_timeout,
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM/SIGUSR1 mean: checkpoint, then stop
-        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="fw-elastic-")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
     )
     try:
-        elastic_launch(launch_config, sys.executable)(*args)
+        elastic_launch(launch_config, entrypoint)(*args)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if PREEMPTED_EXIT in codes and codes <= {PREEMPTED_EXIT, -signal.SIGTERM}:
             raise WorkersPreempted(
                 "preempted: a checkpoint was saved; run the same command to continue"
             ) from None
-        raise WorkerFailure(describe_failures(err)) from None
+        raise WorkerFailure(describe_failures(err, log_dir)) from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def describe_failures(err) -> str:
-    """'rank N failed (exit code C): ExceptionType: message' for each failed rank, first first."""
-    lines = []
-    for rank, failure in sorted(err.failures.items(), key=lambda kv: kv[1].timestamp):
-        code = failure.exitcode
-        how = f"exit code {code}" if code >= 0 else f"killed by signal {failure.signal_name()}"
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        if not message or str(message).startswith("To enable traceback"):
-            message = "no Python exception recorded (see its output above)"
-        lines.append(f"rank {rank} failed ({how}): {str(message).strip()}")
-    return "\n".join(lines)
+def describe_failures(err, log_dir: Path) -> str:
+    """'rank N failed (how): ExceptionType: message' for every failed rank, the first one first.
+
+    The error files every worker writes are read directly: with forked workers the launcher's
+    own report names only one failure, often a rank that died because of another one.
+    """
+    found: dict[int, tuple[float, str]] = {}
+    for path in log_dir.rglob("error.json"):
+        try:
+            data = json.loads(path.read_text())["message"]
+            when = path.stat().st_mtime  # finer than the file's own whole-second timestamp
+            found[int(path.parent.name)] = (when, str(data.get("message", "")).strip())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    for rank, failure in err.failures.items():
+        if rank not in found:
+            code = failure.exitcode
+            how = f"exit code {code}" if code >= 0 else f"killed by signal {failure.signal_name()}"
+            found[rank] = (float(failure.timestamp), f"no Python exception recorded ({how})")
+    ordered = sorted(found.items(), key=lambda kv: kv[1][0])
+    return "\n".join(f"rank {rank} failed: {message}" for rank, (_, message) in ordered)

@@ -93,7 +93,8 @@ def test_multirun_gives_independent_jobs(workdir):
     assert not torch.equal(w0, w1), "different seeds give different models"
 
 
-def test_a_failing_rank_ends_the_job_promptly_and_is_named(workdir):
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_failing_rank_ends_the_job_promptly_and_is_named(method, workdir):
     start = time.monotonic()
     result = fw(
         "train",
@@ -101,6 +102,7 @@ def test_a_failing_rank_ends_the_job_promptly_and_is_named(workdir):
         "~task.model.dropout",
         "task.model.hidden=16",
         "trainer.devices=2",
+        f"launcher.start_method={method}",
         "trainer.max_steps=400",
         *QUIET,
         f"run.dir={workdir}/run",
@@ -109,9 +111,10 @@ def test_a_failing_rank_ends_the_job_promptly_and_is_named(workdir):
     )
     elapsed = time.monotonic() - start
     assert result.returncode == 1
-    assert (
-        "rank 1 failed (exit code 1): RuntimeError: deliberate failure at step 3" in result.stderr
-    )
+    first = result.stderr.split("Job failed:\n")[1].splitlines()[0]
+    assert first == "rank 1 failed: RuntimeError: deliberate failure at step 3", result.stderr[
+        -2000:
+    ]
     assert elapsed < 40, f"the job took {elapsed:.0f}s to end after a rank failed"
 
 
@@ -149,7 +152,13 @@ def test_inside_torchrun_the_runner_does_not_spawn(workdir):
         "run.dir=run",
     ]
     result = subprocess.run(
-        cmd, cwd=workdir, env=fw_env(), capture_output=True, text=True, timeout=300
+        cmd,
+        cwd=workdir,
+        env=fw_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("Starting with 2 processes") == 1

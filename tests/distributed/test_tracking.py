@@ -58,7 +58,13 @@ def run_fw(args, cwd, env):
     from tests.conftest import FW
 
     return subprocess.run(
-        [str(FW), "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [str(FW), "train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
     )
 
 
