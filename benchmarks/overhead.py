@@ -3,12 +3,22 @@
 Both sides train the same MLP from the same seed, on the same samples in the same order, with the
 same AdamW settings (read from conf/task/digits.yaml), in one process. A step is the wall time from
 the start of one training batch to the start of the next (so it includes data loading and every
-hook in between); the first WARMUP steps are left out of the median. The final weights of the two
+hook in between); the first warm-up steps are left out of the median. The final weights of the two
 sides are compared, as a check that they did the same computation.
 
 A third column, the same model trained by plain Lightning (benchmarks/plain_lightning.py, no
 logger, no checkpoints), tells the framework's own cost apart from Lightning's. The runs alternate
 fw, PyTorch, Lightning, fw, ...; the figures are medians of the per-run medians.
+
+Two sizes of the task are measured side by side: the default one (a step of about 0.5 ms in plain
+PyTorch) and a larger one (a wider net and a bigger batch, a step of about 20 ms), to show how the
+ratio depends on the step's length when the per-step cost is fixed.
+
+Every side runs with one intra-op thread (OMP_NUM_THREADS=1 for fw and Lightning, which both
+respect it; torch.set_num_threads(1) for the loop in this process). fw alone would give its one
+process every core, but on a shared machine two threads on two cores stall whenever another
+process takes a core, and the large size's step then varied between 20 and 70 ms from run to run.
+With one thread it stays within about 10%.
 
 Run from the repository root: `python -m benchmarks.overhead` (or `make bench`).
 """
@@ -22,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
 
@@ -33,20 +44,38 @@ from torch.utils.data import DataLoader
 
 from benchmarks.common import FW, ROOT, load_average, save_results
 
-STEPS = 300
-WARMUP = 20
 REPEATS = 3
 SEED = 0
 TARGET_RATIO = 1.05
+THREADS = 1  # intra-op threads on every side; see the module docstring
+ENV = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
 
 
-def median_step_ms(starts: list[float]) -> float:
+@dataclass(frozen=True)
+class Size:
+    """One size of the digits task, and how many steps to time it for."""
+
+    hidden: int
+    batch_size: int
+    steps: int
+    warmup: int
+
+
+def sizes(task) -> dict[str, Size]:
+    return {
+        "default": Size(task.model.hidden, task.data.batch_size, steps=300, warmup=20),
+        # 1437 training samples: 5 full batches of 256 per epoch.
+        "large": Size(hidden=12288, batch_size=256, steps=100, warmup=10),
+    }
+
+
+def median_step_ms(starts: list[float], size: Size) -> float:
     """Median start-to-start interval in milliseconds, warm-up steps excluded."""
-    gaps = [b - a for a, b in pairwise(starts[WARMUP:])]
+    gaps = [b - a for a, b in pairwise(starts[size.warmup :])]
     return 1000 * statistics.median(gaps)
 
 
-def run_fw(workdir: Path) -> tuple[float, dict]:
+def run_fw(workdir: Path, size: Size) -> tuple[float, dict]:
     """Train through `fw train` with a StepTimer callback; (median ms/step, final weights)."""
     times, weights = workdir / "times.json", workdir / "weights.pt"
     subprocess.run(
@@ -54,9 +83,11 @@ def run_fw(workdir: Path) -> tuple[float, dict]:
             FW,
             "train",
             "task=digits",
+            f"task.model.hidden={size.hidden}",
+            f"task.data.batch_size={size.batch_size}",
             f"seed={SEED}",
             f"run.dir={workdir / 'run'}",
-            f"trainer.max_steps={STEPS}",
+            f"trainer.max_steps={size.steps}",
             "trainer.accelerator=cpu",
             "trainer.limit_val_batches=0",  # the plain loop does not validate either
             "trainer.enable_progress_bar=false",
@@ -68,14 +99,15 @@ def run_fw(workdir: Path) -> tuple[float, dict]:
             f"+callbacks.timer.weights={weights}",
         ],
         cwd=ROOT,
+        env=ENV,
         check=True,
         capture_output=True,
     )
     starts = json.loads(times.read_text())["starts"]
-    return median_step_ms(starts), torch.load(weights)
+    return median_step_ms(starts, size), torch.load(weights)
 
 
-def run_lightning(workdir: Path) -> float:
+def run_lightning(workdir: Path, size: Size) -> float:
     """Train with benchmarks/plain_lightning.py; median ms/step."""
     times = workdir / "times.json"
     subprocess.run(
@@ -83,19 +115,22 @@ def run_lightning(workdir: Path) -> float:
             sys.executable,
             "-m",
             "benchmarks.plain_lightning",
-            f"--max-steps={STEPS}",
+            f"--hidden={size.hidden}",
+            f"--batch-size={size.batch_size}",
+            f"--max-steps={size.steps}",
             f"--step-times={times}",
             f"--root={workdir}",
             "--bare",
         ],
         cwd=ROOT,
+        env=ENV,
         check=True,
         capture_output=True,
     )
-    return median_step_ms(json.loads(times.read_text())["starts"])
+    return median_step_ms(json.loads(times.read_text())["starts"], size)
 
 
-def run_plain(task) -> tuple[float, dict]:
+def run_plain(task, size: Size) -> tuple[float, dict]:
     """The same training as a plain PyTorch loop; (median ms/step, final weights)."""
     import lightning.pytorch as pl
 
@@ -103,11 +138,13 @@ def run_plain(task) -> tuple[float, dict]:
 
     # The order fw follows: seed everything, build the net, then the data and the optimizer.
     pl.seed_everything(SEED, workers=True, verbose=False)
-    hidden, dropout = task.model.hidden, task.model.dropout
     net = nn.Sequential(
-        nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10)
+        nn.Linear(64, size.hidden),
+        nn.ReLU(),
+        nn.Dropout(task.model.dropout),
+        nn.Linear(size.hidden, 10),
     )
-    data = DigitsDataModule(batch_size=task.data.batch_size, val_fraction=task.data.val_fraction)
+    data = DigitsDataModule(batch_size=size.batch_size, val_fraction=task.data.val_fraction)
     data.setup("fit")
     dataset = data.train_set
     optimizer = torch.optim.AdamW(
@@ -116,11 +153,11 @@ def run_plain(task) -> tuple[float, dict]:
     net.train()
     starts: list[float] = []
     epoch = 0
-    while len(starts) < STEPS:
+    while len(starts) < size.steps:
         # One seeded permutation per epoch (seed + epoch), as the framework's sampler draws it.
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED + epoch))
         loader = DataLoader(
-            dataset, batch_size=task.data.batch_size, sampler=order.tolist(), drop_last=True
+            dataset, batch_size=size.batch_size, sampler=order.tolist(), drop_last=True
         )
         for x, y in loader:
             starts.append(time.perf_counter())
@@ -128,61 +165,77 @@ def run_plain(task) -> tuple[float, dict]:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            if len(starts) == STEPS:
+            if len(starts) == size.steps:
                 break
         epoch += 1
-    return median_step_ms(starts), net.state_dict()
+    return median_step_ms(starts, size), net.state_dict()
 
 
 def max_difference(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def main() -> None:
-    load_at_start = load_average()
-    task = OmegaConf.load(ROOT / "conf" / "task" / "digits.yaml")
-    # fw gives its one process every core (framework.worker.limit_threads); so does the baseline.
-    torch.set_num_threads(os.cpu_count() or 1)
-    ms: dict[str, list[float]] = {"fw": [], "plain": [], "lightning": []}
-    diffs = []
-    for repeat in range(REPEATS):
-        with tempfile.TemporaryDirectory(prefix="fw-bench-") as tmp:
-            step_ms, fw_weights = run_fw(Path(tmp))
-            ms["fw"].append(step_ms)
-            step_ms, plain_weights = run_plain(task)
-            ms["plain"].append(step_ms)
-            ms["lightning"].append(run_lightning(Path(tmp)))
-        diffs.append(max_difference(fw_weights, plain_weights))
-        print(
-            f"run {repeat + 1}/{REPEATS}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in ms.items())
-        )
+def summarise(size: Size, ms: dict[str, list[float]], diffs: list[float]) -> dict:
     fw, plain, lightning = (statistics.median(ms[k]) for k in ("fw", "plain", "lightning"))
-    results = {
-        "task": "digits",
-        "steps": STEPS,
-        "warmup_steps_excluded": WARMUP,
-        "repeats": REPEATS,
-        "batch_size": task.data.batch_size,
+    return {
+        **asdict(size),
         "fw_ms_per_step": fw,
         "plain_ms_per_step": plain,
         "lightning_ms_per_step": lightning,
+        "fw_minus_plain_ms": fw - plain,
         "ratio_fw_over_plain": fw / plain,
         "ratio_lightning_over_plain": lightning / plain,
         "ratio_fw_over_lightning": fw / lightning,
-        "target_ratio": TARGET_RATIO,
         "max_abs_weight_difference": max(diffs),
         "ms_per_run": ms,
     }
+
+
+def main() -> None:
+    load_at_start = load_average()
+    task = OmegaConf.load(ROOT / "conf" / "task" / "digits.yaml")
+    torch.set_num_threads(THREADS)  # as many intra-op threads as fw and Lightning get (ENV)
+    measured = sizes(task)
+    ms = {name: {"fw": [], "plain": [], "lightning": []} for name in measured}
+    diffs: dict[str, list[float]] = {name: [] for name in measured}
+    for repeat in range(REPEATS):
+        for name, size in measured.items():
+            with tempfile.TemporaryDirectory(prefix="fw-bench-") as tmp:
+                step_ms, fw_weights = run_fw(Path(tmp), size)
+                ms[name]["fw"].append(step_ms)
+                step_ms, plain_weights = run_plain(task, size)
+                ms[name]["plain"].append(step_ms)
+                ms[name]["lightning"].append(run_lightning(Path(tmp), size))
+            diffs[name].append(max_difference(fw_weights, plain_weights))
+            print(
+                f"run {repeat + 1}/{REPEATS} {name}: "
+                + ", ".join(f"{k} {v[-1]:.3f}" for k, v in ms[name].items())
+            )
+    summary = {name: summarise(size, ms[name], diffs[name]) for name, size in measured.items()}
     print()
-    print(f"{'':26}{'ms/step':>9}{'/ plain':>9}")
-    for name, value in (
-        ("plain PyTorch loop", plain),
-        ("plain Lightning", lightning),
-        ("fw train (1 process)", fw),
+    header = "".join(
+        f"{name + f' ({s.hidden}, {s.batch_size})':>23}" for name, s in measured.items()
+    )
+    print(f"{'ms/step (x plain)':26}{header}")
+    for label, key in (
+        ("plain PyTorch loop", "plain_ms_per_step"),
+        ("plain Lightning", "lightning_ms_per_step"),
+        ("fw train (1 process)", "fw_ms_per_step"),
     ):
-        print(f"{name:26}{value:>9.3f}{value / plain:>9.2f}")
-    print(f"target: fw / plain <= {TARGET_RATIO}")
-    print(f"max |weight difference| fw vs plain: {max(diffs):.2e}")
+        cells = "".join(
+            f"{s[key]:>16.3f} ({s[key] / s['plain_ms_per_step']:.2f})" for s in summary.values()
+        )
+        print(f"{label:26}{cells}")
+    cells = "".join(f"{s['max_abs_weight_difference']:>24.2e}" for s in summary.values())
+    print(f"{'max |weights fw - plain|':26}{cells}")
+    print(f"target: fw / plain <= {TARGET_RATIO} (hidden, batch size in the header)")
+    results = {
+        "task": "digits",
+        "repeats": REPEATS,
+        "threads": THREADS,
+        "target_ratio": TARGET_RATIO,
+        "sizes": summary,
+    }
     save_results("overhead", results, load_at_start)
 
 

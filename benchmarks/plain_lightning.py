@@ -1,8 +1,9 @@
 """The digits task written the usual Lightning way, with no framework: the benchmarks' baseline.
 
-`python -m benchmarks.plain_lightning --devices N --max-steps S [--first-step PATH]
-[--step-times PATH] [--bare]` trains the same MLP, on the same data split, with the same AdamW
-settings as `fw train task=digits`. With two devices it uses Lightning's own `ddp` strategy, which
+`python -m benchmarks.plain_lightning --devices N --max-steps S [--hidden H] [--batch-size B]
+[--first-step PATH] [--step-times PATH] [--bare]` trains the same MLP, on the same data split,
+with the same AdamW settings as `fw train task=digits` (hidden width and batch size default to
+conf/task/digits.yaml's). With two devices it uses Lightning's own `ddp` strategy, which
 starts the second process by re-running this command. Used by benchmarks.startup (against `fw
 train`) and by benchmarks.overhead (to tell Lightning's per-step cost from the framework's).
 """
@@ -62,6 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=2)
+    parser.add_argument("--hidden", type=int, help="default: conf/task/digits.yaml's")
+    parser.add_argument("--batch-size", type=int, help="default: conf/task/digits.yaml's")
     parser.add_argument("--first-step", help="file for FirstStep (needs $BENCH_T0)")
     parser.add_argument("--step-times", help="file for StepTimer")
     parser.add_argument("--root", default=tempfile.gettempdir(), help="Lightning's root dir")
@@ -69,9 +72,9 @@ def main() -> None:
     args = parser.parse_args()
     task = OmegaConf.load(ROOT / "conf" / "task" / "digits.yaml")
     pl.seed_everything(0, workers=True, verbose=False)
-    model = Digits(
-        task.model.hidden, task.model.dropout, task.optimizer.lr, task.optimizer.weight_decay
-    )
+    hidden = args.hidden or task.model.hidden
+    batch_size = args.batch_size or task.data.batch_size
+    model = Digits(hidden, task.model.dropout, task.optimizer.lr, task.optimizer.weight_decay)
     callbacks = []
     if args.first_step:
         callbacks.append(FirstStep(args.first_step))
@@ -88,7 +91,7 @@ def main() -> None:
         logger=False if args.bare else CSVLogger(args.root),  # as fw's logger=[csv]
         enable_checkpointing=not args.bare,
     )
-    trainer.fit(model, train_loader(task.data.batch_size, task.data.val_fraction))
+    trainer.fit(model, train_loader(batch_size, task.data.val_fraction))
 
 
 if __name__ == "__main__":

@@ -95,6 +95,13 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / META).read_text())
 
 
+def update_metrics(path: Path, metrics: dict[str, float]) -> None:
+    """Record metrics computed after a checkpoint was written (its files stay as they are)."""
+    meta = read_meta(path)
+    meta["metrics"] = {**meta.get("metrics", {}), **metrics}
+    write_json_atomic(path / META, meta)
+
+
 def verify(path: Path, full: bool = True) -> str | None:
     """Why the checkpoint at `path` cannot be used, or None when it is complete and intact."""
     try:

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else EXIT_CONFIG
     command, rest = argv[0], argv[1:]
     try:
+        if command == "export":
+            return export_command(rest)
         multirun, dirs, overrides, want_help = parse_args(rest)
         if command == "train":
             if want_help:
@@ -94,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 
             train(overrides, multirun=multirun, extra_dirs=dirs)
             return 0
-        if command == "export":
-            return export_command(rest)
         if command == "config":
             from framework.help import show_config
 

@@ -64,14 +64,15 @@ def plan(
         cfg = compose_config(job_overrides, extra_dirs)
         given = cfg.run.dir
         run_dir = Path(given) if given is not None else base
+        group = base.name if multirun else None
         if multirun and not _sweeps_key("run.dir", overrides):
+            group = run_dir.resolve().name  # the sweep's directory names the W&B group
             run_dir = run_dir / str(number)
         cfg.run.dir = str(run_dir.resolve())
         resolve(cfg)
         world = validate(cfg)
         if external:
             check_external_world(world)
-        group = base.name if multirun else None
         jobs.append(Job(cfg, world, Path(cfg.run.dir), group=group))
     for job in jobs:
         check_run_dir(job.run_dir)
@@ -199,8 +200,8 @@ def train(
         try:
             run_job(job)
         except Exception as err:
-            if not multirun:
-                raise
+            if not multirun or getattr(err, "exit_code", None) == 75:
+                raise  # a preempted sweep stops here; rerunning it resumes every job
             log.error("Job %d (%s) failed: %s", number, job.run_dir, err)
             failed.append(err)
     if failed:

@@ -55,6 +55,7 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
         for n, e in (cfg.logger or {}).items()
         if e is not None
     ]
+    loggers = [lg for lg in loggers if lg is not None]  # a plugin may decline (e.g. disabled)
     callbacks = [
         build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]

@@ -120,7 +120,15 @@ class Checkpointer(pl.Callback):
         # Validation leaves the RNG as it found it: a resumed run that does not repeat a
         # validation draws the same random numbers as one that ran it.
         rng.restore(self._rng_before_validation)
-        if trainer.sanity_checking or self.cfg.every_n_steps is not None:
+        if trainer.sanity_checking:
+            return
+        if trainer.global_step == self.last_saved and trainer.is_global_zero:
+            # this step's checkpoint was written before its validation: record the new metrics
+            checkpointing.update_metrics(
+                self.ckpt_dir / checkpointing.name_for(self.last_saved), _scalar_metrics(trainer)
+            )
+            self._prune()
+        if self.cfg.every_n_steps is not None:
             return
         if trainer.global_step != self.last_saved and trainer.global_step > 0:
             self.save(trainer)
@@ -134,6 +142,10 @@ class Checkpointer(pl.Callback):
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signal_received = signum  # acted on at the next step boundary, on every rank at once
 
+    def _prune(self) -> None:
+        cfg = self.cfg
+        checkpointing.prune(self.ckpt_dir, cfg.keep_last, cfg.keep_best, cfg.monitor, cfg.mode)
+
     def save(self, trainer: pl.Trainer) -> None:
         step = trainer.global_step
         tmp = self.ckpt_dir / (checkpointing.name_for(step) + ".tmp")
@@ -144,11 +156,7 @@ class Checkpointer(pl.Callback):
         trainer.strategy.barrier("checkpoint-dir")
         trainer.save_checkpoint(tmp / STATE_FILE, weights_only=False)
         if trainer.is_global_zero:
-            metrics = {
-                k: float(v)
-                for k, v in trainer.callback_metrics.items()
-                if isinstance(v, (int, float, torch.Tensor)) and torch.as_tensor(v).numel() == 1
-            }
+            metrics = _scalar_metrics(trainer)
             meta = {
                 "step": step,
                 "epoch": trainer.current_epoch,
@@ -162,17 +170,19 @@ class Checkpointer(pl.Callback):
                 "state": STATE_FILE,
             }
             path = checkpointing.commit(tmp, meta)
-            checkpointing.prune(
-                self.ckpt_dir,
-                self.cfg.keep_last,
-                self.cfg.keep_best,
-                self.cfg.monitor,
-                self.cfg.mode,
-            )
+            self._prune()
             log.info("Checkpoint saved: %s", path)
         trainer.strategy.barrier("checkpoint-commit")
         self.rng_states = []
         self.last_saved = step
+
+
+def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in trainer.callback_metrics.items()
+        if isinstance(v, (int, float, torch.Tensor)) and torch.as_tensor(v).numel() == 1
+    }
 
 
 def _gather(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:

@@ -76,6 +76,8 @@ def has_api_key() -> bool:
 
 
 def build(cfg: Config, ctx):
+    if resolve_mode(cfg) == "disabled":
+        return None  # no logger at all: works without the wandb package
     from framework.loggers._wandb import make_logger
 
     return make_logger(cfg, ctx, resolve_mode(cfg))

@@ -36,7 +36,8 @@ def stdlib_corpus(max_bytes: int) -> bytes:
 
 
 class ByteBlocks(Dataset):
-    """Non-overlapping windows of block_size + 1 bytes: input = first block_size, target = shifted."""
+    """Consecutive windows of block_size + 1 bytes (each shares its last byte with the next one):
+    the input is the first block_size bytes, the target the same window shifted by one."""
 
     def __init__(self, data: torch.Tensor, block_size: int) -> None:
         self.data = data

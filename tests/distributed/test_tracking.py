@@ -200,3 +200,4 @@ def test_export_gives_a_plain_state_dict(workdir):
     assert all(torch.equal(exported[k], ckpt["state_dict"][k]) for k in exported)
     again = fw("export", str(workdir / "run"), str(out), cwd=workdir)
     assert again.returncode == 2 and "already exists" in again.stderr
+    assert fw("export", str(workdir / "run"), str(out), "--force", cwd=workdir).returncode == 0

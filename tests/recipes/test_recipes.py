@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -53,6 +55,8 @@ def test_gpt_trains_and_samples(devices, workdir):
     val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
     assert len(train) == 4 and len(val) == 2
     assert train[-1] < train[0], "loss goes down"
+    meta = json.loads((run / "checkpoints" / "last" / "meta.json").read_text())
+    assert meta["step"] == 20 and meta["metrics"]["val/loss"] == pytest.approx(val[-1])
     sample = (run / "sample.txt").read_text(errors="replace")
     assert sample.startswith("def main(") and len(sample.encode(errors="replace")) >= 80
     assert "Sampled continuation" in result.stderr
