@@ -10,15 +10,23 @@ A third column, the same model trained by plain Lightning (benchmarks/plain_ligh
 logger, no checkpoints), tells the framework's own cost apart from Lightning's. The runs alternate
 fw, PyTorch, Lightning, fw, ...; the figures are medians of the per-run medians.
 
-Two sizes of the task are measured side by side: the default one (a step of about 0.5 ms in plain
-PyTorch) and a larger one (a wider net and a bigger batch, a step of about 20 ms), to show how the
+Two sizes of the task are measured side by side: the default one (a step of about 0.4 ms in plain
+PyTorch) and a larger one (a wider net and a bigger batch, a step of about 23 ms), to show how the
 ratio depends on the step's length when the per-step cost is fixed.
 
 Every side runs with one intra-op thread (OMP_NUM_THREADS=1 for fw and Lightning, which both
 respect it; torch.set_num_threads(1) for the loop in this process). fw alone would give its one
 process every core, but on a shared machine two threads on two cores stall whenever another
-process takes a core, and the large size's step then varied between 20 and 70 ms from run to run.
-With one thread it stays within about 10%.
+process takes a core: in trial runs (hidden 16384, batch 256) the plain loop's step varied between
+21 and 69 ms from run to run with two threads, and between 31 and 34 ms with one.
+
+Each side also counts the minor page faults its process takes per step, after warm-up. At the large
+size, glibc's malloc may give the big freed buffers back to the kernel and take fresh zeroed pages
+on the next step, more or less often depending on each process's heap history, which costs wall
+time unrelated to the training loop. To take that out of the comparison, run the script with, for
+example, MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 in the environment:
+every side inherits it, and the results then go to benchmarks/results/overhead_malloc.json (which
+records the variables) instead of overhead.json.
 
 Run from the repository root: `python -m benchmarks.overhead` (or `make bench`).
 """
@@ -43,10 +51,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from benchmarks.common import FW, ROOT, load_average, save_results
+from benchmarks.step_timer import minor_faults
 
-REPEATS = 3
+REPEATS = 5
 SEED = 0
 TARGET_RATIO = 1.05
+SIDES = ("fw", "plain", "lightning")
 THREADS = 1  # intra-op threads on every side; see the module docstring
 ENV = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
 
@@ -65,18 +75,19 @@ def sizes(task) -> dict[str, Size]:
     return {
         "default": Size(task.model.hidden, task.data.batch_size, steps=300, warmup=20),
         # 1437 training samples: 5 full batches of 256 per epoch.
-        "large": Size(hidden=12288, batch_size=256, steps=100, warmup=10),
+        "large": Size(hidden=12288, batch_size=256, steps=200, warmup=10),
     }
 
 
-def median_step_ms(starts: list[float], size: Size) -> float:
-    """Median start-to-start interval in milliseconds, warm-up steps excluded."""
-    gaps = [b - a for a, b in pairwise(starts[size.warmup :])]
-    return 1000 * statistics.median(gaps)
+def step_figures(times: dict, size: Size) -> tuple[float, float]:
+    """(median start-to-start interval in ms, minor page faults per step), warm-up left out."""
+    starts, faults = times["starts"][size.warmup :], times["faults"][size.warmup :]
+    gaps = [b - a for a, b in pairwise(starts)]
+    return 1000 * statistics.median(gaps), (faults[-1] - faults[0]) / len(gaps)
 
 
-def run_fw(workdir: Path, size: Size) -> tuple[float, dict]:
-    """Train through `fw train` with a StepTimer callback; (median ms/step, final weights)."""
+def run_fw(workdir: Path, size: Size) -> tuple[tuple[float, float], dict]:
+    """Train through `fw train` with a StepTimer callback; (step_figures, final weights)."""
     times, weights = workdir / "times.json", workdir / "weights.pt"
     subprocess.run(
         [
@@ -103,12 +114,11 @@ def run_fw(workdir: Path, size: Size) -> tuple[float, dict]:
         check=True,
         capture_output=True,
     )
-    starts = json.loads(times.read_text())["starts"]
-    return median_step_ms(starts, size), torch.load(weights)
+    return step_figures(json.loads(times.read_text()), size), torch.load(weights)
 
 
-def run_lightning(workdir: Path, size: Size) -> float:
-    """Train with benchmarks/plain_lightning.py; median ms/step."""
+def run_lightning(workdir: Path, size: Size) -> tuple[float, float]:
+    """Train with benchmarks/plain_lightning.py; step_figures."""
     times = workdir / "times.json"
     subprocess.run(
         [
@@ -127,11 +137,11 @@ def run_lightning(workdir: Path, size: Size) -> float:
         check=True,
         capture_output=True,
     )
-    return median_step_ms(json.loads(times.read_text())["starts"], size)
+    return step_figures(json.loads(times.read_text()), size)
 
 
-def run_plain(task, size: Size) -> tuple[float, dict]:
-    """The same training as a plain PyTorch loop; (median ms/step, final weights)."""
+def run_plain(task, size: Size) -> tuple[tuple[float, float], dict]:
+    """The same training as a plain PyTorch loop; (step_figures, final weights)."""
     import lightning.pytorch as pl
 
     from recipes.digits.data import DigitsDataModule
@@ -152,6 +162,7 @@ def run_plain(task, size: Size) -> tuple[float, dict]:
     )
     net.train()
     starts: list[float] = []
+    faults: list[int] = []
     epoch = 0
     while len(starts) < size.steps:
         # One seeded permutation per epoch (seed + epoch), as the framework's sampler draws it.
@@ -161,6 +172,7 @@ def run_plain(task, size: Size) -> tuple[float, dict]:
         )
         for x, y in loader:
             starts.append(time.perf_counter())
+            faults.append(minor_faults())
             loss = F.cross_entropy(net(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -168,24 +180,29 @@ def run_plain(task, size: Size) -> tuple[float, dict]:
             if len(starts) == size.steps:
                 break
         epoch += 1
-    return median_step_ms(starts, size), net.state_dict()
+    return step_figures({"starts": starts, "faults": faults}, size), net.state_dict()
 
 
 def max_difference(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def summarise(size: Size, ms: dict[str, list[float]], diffs: list[float]) -> dict:
-    fw, plain, lightning = (statistics.median(ms[k]) for k in ("fw", "plain", "lightning"))
+def summarise(size: Size, runs: dict[str, list[tuple[float, float]]], diffs: list[float]) -> dict:
+    ms = {side: [m for m, _ in r] for side, r in runs.items()}
+    fw, plain, lightning = (statistics.median(ms[k]) for k in SIDES)
     return {
         **asdict(size),
         "fw_ms_per_step": fw,
         "plain_ms_per_step": plain,
         "lightning_ms_per_step": lightning,
         "fw_minus_plain_ms": fw - plain,
+        "lightning_minus_plain_ms": lightning - plain,
         "ratio_fw_over_plain": fw / plain,
         "ratio_lightning_over_plain": lightning / plain,
         "ratio_fw_over_lightning": fw / lightning,
+        "minor_page_faults_per_step": {
+            side: statistics.median(f for _, f in r) for side, r in runs.items()
+        },
         "max_abs_weight_difference": max(diffs),
         "ms_per_run": ms,
     }
@@ -196,22 +213,22 @@ def main() -> None:
     task = OmegaConf.load(ROOT / "conf" / "task" / "digits.yaml")
     torch.set_num_threads(THREADS)  # as many intra-op threads as fw and Lightning get (ENV)
     measured = sizes(task)
-    ms = {name: {"fw": [], "plain": [], "lightning": []} for name in measured}
+    runs = {name: {side: [] for side in SIDES} for name in measured}
     diffs: dict[str, list[float]] = {name: [] for name in measured}
     for repeat in range(REPEATS):
         for name, size in measured.items():
             with tempfile.TemporaryDirectory(prefix="fw-bench-") as tmp:
-                step_ms, fw_weights = run_fw(Path(tmp), size)
-                ms[name]["fw"].append(step_ms)
-                step_ms, plain_weights = run_plain(task, size)
-                ms[name]["plain"].append(step_ms)
-                ms[name]["lightning"].append(run_lightning(Path(tmp), size))
+                figures, fw_weights = run_fw(Path(tmp), size)
+                runs[name]["fw"].append(figures)
+                figures, plain_weights = run_plain(task, size)
+                runs[name]["plain"].append(figures)
+                runs[name]["lightning"].append(run_lightning(Path(tmp), size))
             diffs[name].append(max_difference(fw_weights, plain_weights))
             print(
                 f"run {repeat + 1}/{REPEATS} {name}: "
-                + ", ".join(f"{k} {v[-1]:.3f}" for k, v in ms[name].items())
+                + ", ".join(f"{k} {v[-1][0]:.3f} ms" for k, v in runs[name].items())
             )
-    summary = {name: summarise(size, ms[name], diffs[name]) for name, size in measured.items()}
+    summary = {name: summarise(size, runs[name], diffs[name]) for name, size in measured.items()}
     print()
     header = "".join(
         f"{name + f' ({s.hidden}, {s.batch_size})':>23}" for name, s in measured.items()
@@ -226,17 +243,22 @@ def main() -> None:
             f"{s[key]:>16.3f} ({s[key] / s['plain_ms_per_step']:.2f})" for s in summary.values()
         )
         print(f"{label:26}{cells}")
-    cells = "".join(f"{s['max_abs_weight_difference']:>24.2e}" for s in summary.values())
+    for side in SIDES:
+        cells = "".join(f"{s['minor_page_faults_per_step'][side]:>23.0f}" for s in summary.values())
+        print(f"{f'page faults/step, {side}':26}{cells}")
+    cells = "".join(f"{s['max_abs_weight_difference']:>23.2e}" for s in summary.values())
     print(f"{'max |weights fw - plain|':26}{cells}")
     print(f"target: fw / plain <= {TARGET_RATIO} (hidden, batch size in the header)")
+    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     results = {
         "task": "digits",
         "repeats": REPEATS,
         "threads": THREADS,
+        "malloc_environment": malloc,
         "target_ratio": TARGET_RATIO,
         "sizes": summary,
     }
-    save_results("overhead", results, load_at_start)
+    save_results("overhead_malloc" if malloc else "overhead", results, load_at_start)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Callbacks the benchmarks inject into `fw train` (and the plain Lightning script) from outside.
 
-`StepTimer` records when every training batch starts and ends; `FirstStep` records how long after
-the benchmark launched the command the first training batch starts. Neither changes training.
+`StepTimer` records when every training batch starts and ends, and the process's minor page
+faults so far at each start; `FirstStep` records how long after the benchmark launched the command
+the first training batch starts. Neither changes training.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -23,17 +25,25 @@ class StepTimer(pl.Callback):
         self.weights = weights
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.faults: list[int] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
+        self.faults.append(minor_faults())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ends.append(time.perf_counter())
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.path.write_text(json.dumps({"starts": self.starts, "ends": self.ends}))
+        times = {"starts": self.starts, "ends": self.ends, "faults": self.faults}
+        self.path.write_text(json.dumps(times))
         if self.weights:
             torch.save(pl_module.net.state_dict(), self.weights)
+
+
+def minor_faults() -> int:
+    """Page faults this process has taken without reading from disk (e.g. on fresh memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class FirstStep(pl.Callback):
