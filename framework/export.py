@@ -46,18 +46,33 @@ def consolidated_state(ckpt: Path) -> dict:
 
     meta = checkpointing.read_meta(ckpt)
     fmt = meta.get("format", "lightning")
-    if fmt != "lightning":
+    path = ckpt / meta.get("state", "state.ckpt")
+    if fmt == "lightning":
+        tensors = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    elif fmt == "deepspeed":
+        tensors = deepspeed_state(path)
+    else:
         raise ConfigError(
-            "source", str(ckpt), f"checkpoint format '{fmt}' cannot be exported", ["lightning"]
+            "source",
+            str(ckpt),
+            f"checkpoint format '{fmt}' cannot be exported",
+            ["lightning", "deepspeed"],
         )
-    state = torch.load(
-        ckpt / meta.get("state", "state.ckpt"), map_location="cpu", weights_only=True
-    )
     return {
         k: v.detach().cpu().contiguous().clone()
-        for k, v in state["state_dict"].items()
+        for k, v in tensors.items()
         if isinstance(v, torch.Tensor)
     }
+
+
+def deepspeed_state(path: Path) -> dict:
+    """Gather the fp32 weights of a DeepSpeed checkpoint (any stage, any process count)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="checkpoint")
+    prefix = "_forward_module."  # Lightning's wrapper around the task module
+    return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
 def export(source: Path, out: Path, force: bool = False) -> Path:

@@ -28,6 +28,8 @@ def setup_logging(rank: int | None = None) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
     # The data position is restored by callbacks.checkpoint through GlobalOrderSampler.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)`.*")

@@ -119,3 +119,48 @@ class TokenDigits(PlainDigits):
     def __init__(self, hidden: int = 32, lr: float = 0.01, api_token: str = "") -> None:
         super().__init__(hidden=hidden, lr=lr)
         self.token_length = len(api_token)
+
+
+class ShardCounter(pl.Callback):
+    """Writes, per rank, how many elements of parameters, gradients and optimizer state it holds.
+
+    Read from the tensors at the second step: gradients just before the optimizer step (DeepSpeed
+    keeps this rank's reduced partition in `averaged_gradients` and frees it after the step),
+    parameters and optimizer state after it. Under ZeRO-3 a parameter's local part is its
+    `ds_tensor`; the optimizer state is that of the torch optimizer DeepSpeed wraps (or the plain
+    one under ddp), which only ever sees this rank's partition.
+    """
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.grads = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == 1:
+            averaged = getattr(optimizer, "averaged_gradients", None)
+            if averaged is not None:
+                self.grads = sum(t.numel() for ts in averaged.values() for t in ts)
+            else:
+                self.grads = sum(
+                    p.grad.numel() for p in pl_module.parameters() if p.grad is not None
+                )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != 2:
+            return
+        import json
+
+        params = list(pl_module.parameters())
+        local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+        optimizer = trainer.optimizers[0]
+        inner = getattr(optimizer, "optimizer", optimizer)
+        state = sum(
+            t.numel()
+            for s in inner.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
+        full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
+        counts = {"full": full, "params": local, "grads": self.grads, "optimizer": state}
+        with open(os.path.join(self.out, f"shards-rank{trainer.global_rank}.json"), "w") as fh:
+            json.dump(counts, fh)

@@ -166,7 +166,7 @@ class Checkpointer(pl.Callback):
                 "world_size": trainer.world_size,
                 "metrics": metrics,
                 "time": time.time(),
-                "format": "lightning",
+                "format": getattr(trainer.strategy, "checkpoint_format", "lightning"),
                 "state": STATE_FILE,
             }
             path = checkpointing.commit(tmp, meta)

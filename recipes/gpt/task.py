@@ -78,9 +78,13 @@ class GPTTask(TaskModule):
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
     def on_train_end(self) -> None:
-        if not self.trainer.is_global_zero or self.hparams.sample_length <= 0:
+        if self.hparams.sample_length <= 0:
             return
+        # Every rank samples (same seed, same text): under sharded strategies (ZeRO-3, FSDP) a
+        # forward pass needs all processes to gather the parameters.
         text = self.sample(self.hparams.sample_prompt, self.hparams.sample_length)
+        if not self.trainer.is_global_zero:
+            return
         path = Path(self.trainer.default_root_dir) / "sample.txt"
         path.write_text(text)
         log.info("Sampled continuation (also in %s):\n%s\n%s\n%s", path, "-" * 60, text, "-" * 60)

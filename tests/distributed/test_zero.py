@@ -1,0 +1,156 @@
+"""`strategy=zero1|zero2|zero3` (DeepSpeed): same losses as ddp, state really sharded, exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from tests.conftest import QUIET, fw, losses
+from tests.distributed.test_resume import SLOW, metric_rows, start, wait_for_step
+
+pytestmark = pytest.mark.slow
+PARITY = [
+    *QUIET,
+    "trainer.devices=2",
+    "trainer.deterministic=true",
+    "trainer.log_every_n_steps=1",
+    "callbacks=none",
+    "logger=[csv]",
+]
+DIGITS = ["task=digits", "task.data.batch_size=32", "trainer.max_steps=20"]
+GPT = ["experiment=gpt_tiny", "trainer.val_check_interval=20"]
+
+
+@pytest.fixture(scope="module")
+def ddp_losses(tmp_path_factory):
+    out = {}
+    for name, task in (("digits", DIGITS), ("gpt", GPT)):
+        run = tmp_path_factory.mktemp(f"ddp-{name}") / "run"
+        result = fw("train", "strategy=ddp", *task, *PARITY, f"run.dir={run}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[name] = losses(run)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
+def test_zero_reproduces_ddp_on_digits(strategy, ddp_losses, workdir):
+    result = fw("train", f"strategy={strategy}", *DIGITS, *PARITY, "run.dir=run", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = losses(workdir / "run"), ddp_losses["digits"]
+    assert sorted(got) == list(range(20))
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_zero_reproduces_ddp_on_gpt(strategy, ddp_losses, workdir):
+    result = fw("train", f"strategy={strategy}", *GPT, *PARITY, "run.dir=run", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = losses(workdir / "run"), ddp_losses["gpt"]
+    assert sorted(got) == sorted(want) and len(got) == 20
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+
+
+def shard_counts(strategy: str, workdir) -> list[dict]:
+    extra = ["strategy.param_persistence_threshold=0"] if strategy.startswith("zero3") else []
+    result = fw(
+        "train",
+        f"strategy={strategy}",
+        *extra,
+        "trainer.devices=2",
+        "trainer.max_steps=3",
+        *QUIET,
+        "callbacks=none",
+        "logger=[csv]",
+        "+callbacks.shards._target_=tests.tasks.ShardCounter",
+        f"+callbacks.shards.out={workdir}",
+        "run.dir=run",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((workdir / f"shards-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def near(value: int, target: float) -> bool:
+    return abs(value - target) <= 0.02 * target
+
+
+def test_state_is_really_sharded(workdir):
+    (workdir / "ddp").mkdir()
+    full = shard_counts("ddp", workdir / "ddp")[0]
+    assert full["optimizer"] == 2 * full["full"] and full["grads"] == full["full"]
+    for strategy in ("zero1", "zero2", "zero3"):
+        (workdir / strategy).mkdir()
+        for rank in shard_counts(strategy, workdir / strategy):
+            assert near(rank["optimizer"], full["optimizer"] / 2), (strategy, rank)
+            if strategy != "zero1":
+                assert near(rank["grads"], full["grads"] / 2), (strategy, rank)
+            if strategy == "zero3":
+                total = rank["params"] + rank["grads"] + rank["optimizer"]
+                assert near(total, (full["params"] + full["grads"] + full["optimizer"]) / 2), rank
+            else:
+                assert rank["params"] == full["params"]
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_kill_9_and_restart_is_exact_under_zero(strategy, workdir):
+    args = [
+        f"strategy={strategy}",
+        *(a for a in SLOW if "max_steps" not in a),
+        "trainer.max_steps=20",
+    ]
+    reference = fw("train", *args, f"run.dir={workdir}/reference", cwd=workdir)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    kill_step = random.Random(strategy).randint(6, 17)
+    run = workdir / "run"
+    proc = start([*args, f"run.dir={run}"], workdir)
+    wait_for_step(run, kill_step, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    again = fw("train", *args, f"run.dir={run}", cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from" in again.stderr
+    assert metric_rows(run) == metric_rows(workdir / "reference")
+
+
+def test_export_of_a_zero3_checkpoint_equals_the_ddp_model(workdir):
+    for strategy in ("ddp", "zero3"):
+        result = fw(
+            "train",
+            f"strategy={strategy}",
+            *DIGITS,
+            *PARITY[:-2],
+            "logger=[csv]",
+            f"run.dir={strategy}",
+            cwd=workdir,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert fw("export", strategy, f"{strategy}.pt", cwd=workdir).returncode == 0
+    a, b = (torch.load(workdir / f"{s}.pt", weights_only=True) for s in ("ddp", "zero3"))
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["strategy=zero2", "strategy.offload_params=cpu"], "parameter offload needs ZeRO stage 3"),
+        (["strategy=zero3", "strategy.stage=4"], "Valid choices: 1, 2, 3"),
+        (
+            [
+                "strategy=zero2_offload",
+                "strategy.offload_optimizer=nvme",
+                "strategy.nvme_path=/no/disk",
+            ],
+            "strategy.nvme_path=/no/disk",
+        ),
+    ],
+)
+def test_invalid_zero_settings_are_refused_before_launch(args, message, workdir):
+    result = fw("train", *args, "run.dir=run", cwd=workdir)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert not (workdir / "run").exists()
