@@ -58,14 +58,14 @@ def validate(cfg: Config, world: World) -> None:
             f"parameter offload needs ZeRO stage 3, not {cfg.stage}",
             ["none"],
         )
-    if "nvme" in (cfg.offload_optimizer, cfg.offload_params):
-        if not os.path.isdir(cfg.nvme_path) or not os.access(cfg.nvme_path, os.W_OK):
-            raise ConfigError(
-                "strategy.nvme_path",
-                cfg.nvme_path,
-                "not a writable directory",
-                hint="Point it at a directory on a fast local disk.",
-            )
+    nvme = "nvme" in (cfg.offload_optimizer, cfg.offload_params)
+    if nvme and not (os.path.isdir(cfg.nvme_path) and os.access(cfg.nvme_path, os.W_OK)):
+        raise ConfigError(
+            "strategy.nvme_path",
+            cfg.nvme_path,
+            "not a writable directory",
+            hint="Point it at a directory on a fast local disk.",
+        )
     pipeline = int(cfg.deepspeed_config.get("pipeline", {}).get("stages", 1) or 1)
     if cfg.stage == 3 and pipeline > 1:
         raise ConfigError(
