@@ -13,7 +13,13 @@ from framework.errors import ConfigError
 log = logging.getLogger("framework.resume")
 
 
-def choose(mode: str, run_dir: Path, config: dict[str, Any]) -> Path | None:
+def choose(
+    mode: str,
+    run_dir: Path,
+    config: dict[str, Any],
+    ckpt_format: str = "lightning",
+    world_size: int = 1,
+) -> Path | None:
     """The checkpoint directory to resume from, or None to start at step 0."""
     existing = (run_dir / "config.yaml").exists()
     if mode == "never":
@@ -36,7 +42,34 @@ def choose(mode: str, run_dir: Path, config: dict[str, Any]) -> Path | None:
     else:
         ckpt = explicit(Path(mode))
     check_compatible(ckpt, config)
+    check_layout(ckpt, ckpt_format, world_size)
     return ckpt
+
+
+def check_layout(ckpt: Path, ckpt_format: str, world_size: int) -> None:
+    """Refuse moves between checkpoint layouts that cannot be loaded yet (before anything starts).
+
+    Plain Lightning checkpoints (ddp) load under any process count; sharded ones (DeepSpeed,
+    DCP) only under the strategy and process count that wrote them.
+    """
+    meta = checkpointing.read_meta(ckpt)
+    saved_format, saved_world = meta.get("format", "lightning"), int(meta.get("world_size", 1))
+    if saved_format != ckpt_format:
+        raise ConfigError(
+            "strategy",
+            ckpt_format,
+            f"the checkpoint {ckpt.name} was written in the '{saved_format}' "
+            f"format, which this strategy cannot load (moving between strategies is not supported yet)",
+            hint="Resume with the strategy that wrote it, or start a new run.dir.",
+        )
+    if saved_format != "lightning" and saved_world != world_size:
+        raise ConfigError(
+            "trainer.devices",
+            world_size,
+            f"the sharded checkpoint {ckpt.name} was written by "
+            f"{saved_world} processes and can only be resumed by as many (resharding is not supported yet)",
+            [str(saved_world)],
+        )
 
 
 def explicit(path: Path) -> Path:

@@ -77,7 +77,11 @@ def plan(
     for job in jobs:
         check_run_dir(job.run_dir)
         config = redact(OmegaConf.to_container(job.cfg))
-        job.resume_from = resume.choose(job.cfg.resume, job.run_dir, config)
+        plugin = load_plugin("strategy", job.cfg.strategy.kind, "strategy.kind")
+        ckpt_format = getattr(plugin, "CHECKPOINT_FORMAT", "lightning")
+        job.resume_from = resume.choose(
+            job.cfg.resume, job.run_dir, config, ckpt_format, job.world.world_size
+        )
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):
         raise ConfigError("run.dir", str(dirs[0]), "several jobs of the sweep would share it")

@@ -126,9 +126,9 @@ class ShardCounter(pl.Callback):
 
     Read from the tensors at the second step: gradients just before the optimizer step (DeepSpeed
     keeps this rank's reduced partition in `averaged_gradients` and frees it after the step),
-    parameters and optimizer state after it. Under ZeRO-3 a parameter's local part is its
-    `ds_tensor`; the optimizer state is that of the torch optimizer DeepSpeed wraps (or the plain
-    one under ddp), which only ever sees this rank's partition.
+    parameters and optimizer state after it. A ZeRO-3 parameter's local part is its `ds_tensor`,
+    an FSDP2 one's its DTensor's local shard; the optimizer state is that of the torch optimizer
+    (wrapped by DeepSpeed), which only ever sees this rank's partition.
     """
 
     def __init__(self, out: str) -> None:
@@ -136,14 +136,13 @@ class ShardCounter(pl.Callback):
         self.grads = 0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if trainer.global_step == 1:
-            averaged = getattr(optimizer, "averaged_gradients", None)
-            if averaged is not None:
-                self.grads = sum(t.numel() for ts in averaged.values() for t in ts)
-            else:
-                self.grads = sum(
-                    p.grad.numel() for p in pl_module.parameters() if p.grad is not None
-                )
+        if trainer.global_step != 1:
+            return
+        averaged = getattr(optimizer, "averaged_gradients", None)
+        if averaged is not None:
+            self.grads = sum(t.numel() for ts in averaged.values() for t in ts)
+        else:
+            self.grads = sum(_local(p.grad) for p in pl_module.parameters() if p.grad is not None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step != 2:
@@ -151,16 +150,17 @@ class ShardCounter(pl.Callback):
         import json
 
         params = list(pl_module.parameters())
-        local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+        local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else _local(p) for p in params)
         optimizer = trainer.optimizers[0]
         inner = getattr(optimizer, "optimizer", optimizer)
-        state = sum(
-            t.numel()
-            for s in inner.state.values()
-            for t in s.values()
-            if torch.is_tensor(t) and t.dim() > 0
-        )
+        tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
+        state = sum(_local(t) for t in tensors if t.dim() > 0)
         full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)
         counts = {"full": full, "params": local, "grads": self.grads, "optimizer": state}
         with open(os.path.join(self.out, f"shards-rank{trainer.global_rank}.json"), "w") as fh:
             json.dump(counts, fh)
+
+
+def _local(t) -> int:
+    """Elements of a tensor held by this process (a DTensor's local shard)."""
+    return t.to_local().numel() if hasattr(t, "to_local") else t.numel()

@@ -14,6 +14,7 @@ from framework.errors import ConfigError
 from framework.world import World
 
 BACKENDS = (None, "gloo", "nccl")
+CHECKPOINT_FORMAT = "lightning"  # one file; loads under any process count
 
 
 @dataclass

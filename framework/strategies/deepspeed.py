@@ -21,6 +21,7 @@ from framework.errors import ConfigError
 from framework.world import World
 
 OFFLOAD = ("none", "cpu", "nvme")
+CHECKPOINT_FORMAT = "deepspeed"  # per-rank shards written by the DeepSpeed engine
 
 
 @dataclass

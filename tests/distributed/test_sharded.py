@@ -1,4 +1,4 @@
-"""`strategy=zero1|zero2|zero3` (DeepSpeed): same losses as ddp, state really sharded, exact resume."""
+"""Sharded data parallel (zero1/2/3 through DeepSpeed, fsdp): ddp's losses, state sharded, exact resume."""
 
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ def ddp_losses(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
-def test_zero_reproduces_ddp_on_digits(strategy, ddp_losses, workdir):
+@pytest.mark.parametrize(
+    "strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp"]
+)
+def test_sharded_reproduces_ddp_on_digits(strategy, ddp_losses, workdir):
     result = fw("train", f"strategy={strategy}", *DIGITS, *PARITY, "run.dir=run", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     got, want = losses(workdir / "run"), ddp_losses["digits"]
@@ -46,8 +48,8 @@ def test_zero_reproduces_ddp_on_digits(strategy, ddp_losses, workdir):
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_zero_reproduces_ddp_on_gpt(strategy, ddp_losses, workdir):
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp"])
+def test_sharded_reproduces_ddp_on_gpt(strategy, ddp_losses, workdir):
     result = fw("train", f"strategy={strategy}", *GPT, *PARITY, "run.dir=run", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     got, want = losses(workdir / "run"), ddp_losses["gpt"]
@@ -83,21 +85,21 @@ def test_state_is_really_sharded(workdir):
     (workdir / "ddp").mkdir()
     full = shard_counts("ddp", workdir / "ddp")[0]
     assert full["optimizer"] == 2 * full["full"] and full["grads"] == full["full"]
-    for strategy in ("zero1", "zero2", "zero3"):
+    for strategy in ("zero1", "zero2", "zero3", "fsdp"):
         (workdir / strategy).mkdir()
         for rank in shard_counts(strategy, workdir / strategy):
             assert near(rank["optimizer"], full["optimizer"] / 2), (strategy, rank)
             if strategy != "zero1":
                 assert near(rank["grads"], full["grads"] / 2), (strategy, rank)
-            if strategy == "zero3":
+            if strategy in ("zero3", "fsdp"):
                 total = rank["params"] + rank["grads"] + rank["optimizer"]
                 assert near(total, (full["params"] + full["grads"] + full["optimizer"]) / 2), rank
             else:
                 assert rank["params"] == full["params"]
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_kill_9_and_restart_is_exact_under_zero(strategy, workdir):
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp"])
+def test_kill_9_and_restart_is_exact_under_sharding(strategy, workdir):
     args = [
         f"strategy={strategy}",
         *(a for a in SLOW if "max_steps" not in a),
@@ -117,8 +119,8 @@ def test_kill_9_and_restart_is_exact_under_zero(strategy, workdir):
     assert metric_rows(run) == metric_rows(workdir / "reference")
 
 
-def test_export_of_a_zero3_checkpoint_equals_the_ddp_model(workdir):
-    for strategy in ("ddp", "zero3"):
+def test_export_of_sharded_checkpoints_equals_the_ddp_model(workdir):
+    for strategy in ("ddp", "zero3", "fsdp"):
         result = fw(
             "train",
             f"strategy={strategy}",
@@ -130,9 +132,11 @@ def test_export_of_a_zero3_checkpoint_equals_the_ddp_model(workdir):
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert fw("export", strategy, f"{strategy}.pt", cwd=workdir).returncode == 0
-    a, b = (torch.load(workdir / f"{s}.pt", weights_only=True) for s in ("ddp", "zero3"))
-    assert a.keys() == b.keys()
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    a = torch.load(workdir / "ddp.pt", weights_only=True)
+    for strategy in ("zero3", "fsdp"):
+        b = torch.load(workdir / f"{strategy}.pt", weights_only=True)
+        assert a.keys() == b.keys()
+        assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), strategy
 
 
 @pytest.mark.parametrize(
@@ -140,6 +144,8 @@ def test_export_of_a_zero3_checkpoint_equals_the_ddp_model(workdir):
     [
         (["strategy=zero2", "strategy.offload_params=cpu"], "parameter offload needs ZeRO stage 3"),
         (["strategy=zero3", "strategy.stage=4"], "Valid choices: 1, 2, 3"),
+        (["strategy=fsdp", "strategy.cpu_offload=true"], "needs the job to run on CUDA"),
+        (["strategy=fsdp", "strategy.param_dtype=fp8"], "Valid choices: null, float32, bfloat16"),
         (
             [
                 "strategy=zero2_offload",
@@ -150,7 +156,20 @@ def test_export_of_a_zero3_checkpoint_equals_the_ddp_model(workdir):
         ),
     ],
 )
-def test_invalid_zero_settings_are_refused_before_launch(args, message, workdir):
+def test_invalid_sharding_settings_are_refused_before_launch(args, message, workdir):
     result = fw("train", *args, "run.dir=run", cwd=workdir)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert not (workdir / "run").exists()
+
+
+def test_moving_a_checkpoint_to_another_layout_is_refused_before_launch(workdir):
+    base = ["trainer.max_steps=4", *QUIET, "logger=[csv]", "run.dir=run"]
+    assert fw("train", "strategy=ddp", "trainer.devices=2", *base, cwd=workdir).returncode == 0
+    config = (workdir / "run" / "config.yaml").read_text()
+    moved = fw("train", "strategy=zero2", "trainer.devices=2", *base, cwd=workdir)
+    assert moved.returncode == 2 and "'lightning' format" in moved.stderr, moved.stderr[-2000:]
+    assert (workdir / "run" / "config.yaml").read_text() == config, "nothing rewritten"
+    again = ["trainer.max_steps=4", *QUIET, "logger=[csv]", "run.dir=zrun"]
+    assert fw("train", "strategy=zero2", "trainer.devices=2", *again, cwd=workdir).returncode == 0
+    fewer = fw("train", "strategy=zero2", "trainer.devices=1", *again, cwd=workdir)
+    assert fewer.returncode == 2 and "written by 2 processes" in fewer.stderr
