@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from datetime import timedelta
+from pathlib import Path
 
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+log = logging.getLogger("framework.deepspeed")
 
 
 class ZeroStrategy(DeepSpeedStrategy):
@@ -54,7 +58,21 @@ class ZeroStrategy(DeepSpeedStrategy):
         return engine, ds_optimizer
 
 
+def announce_first_build() -> None:
+    """Say so before DeepSpeed spends a silent minute compiling its C++ ops the first time."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    built = any(root.glob("*/deepspeed_shm_comm*")) or any(root.glob("deepspeed_shm_comm*"))
+    if not built and int(os.environ.get("RANK", "0")) == 0:
+        log.info(
+            "DeepSpeed compiles its C++ ops on first use (about a minute each); they are cached "
+            "in %s for later runs.",
+            root,
+        )
+
+
 def make_strategy(config: dict, cfg, world) -> ZeroStrategy:
+    if not world.is_cuda:
+        announce_first_build()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     backend = cfg.backend or ("nccl" if world.is_cuda else "gloo")
     return ZeroStrategy(

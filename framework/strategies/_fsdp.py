@@ -45,15 +45,29 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def units(task: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    """Sharding units, innermost first: blocks, then the task's top-level children."""
+    """Sharding units, innermost first: the blocks, then the task's top-level children.
+
+    Blocks are the modules of the named classes, or else every member of an `nn.ModuleList`.
+    The top-level children always close the set, so every parameter belongs to a unit and
+    has its gradient reduced (embeddings and heads outside the blocks included).
+    """
+    depth = {m: name.count(".") + 1 for name, m in task.named_modules() if name}
     if class_names:
-        return [m for m in task.modules() if type(m).__name__ in class_names and m is not task]
-    found = []
-    for module in task.modules():
-        if isinstance(module, nn.ModuleList):
-            found.extend(m for m in module if any(True for _ in m.parameters()))
-    found.extend(m for m in task.children() if any(True for _ in m.parameters()))
-    return found
+        blocks = [m for m in depth if type(m).__name__ in class_names]
+    else:
+        blocks = [m for lst in depth if isinstance(lst, nn.ModuleList) for m in lst]
+    tops = list(task.children())
+    chosen = {m: None for m in blocks + tops if any(True for _ in m.parameters())}
+    return sorted(chosen, key=lambda m: -depth[m])
+
+
+def check_direct_parameters(task: nn.Module) -> None:
+    own = [name for name, _ in task.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"strategy=fsdp shards the task's submodules, but {type(task).__name__} holds "
+            f"parameters directly: {', '.join(own)}. Move them into a submodule (e.g. nn.Module)."
+        )
 
 
 def shard(task: nn.Module, mesh, cfg) -> None:
@@ -67,5 +81,6 @@ def shard(task: nn.Module, mesh, cfg) -> None:
         )
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    check_direct_parameters(task)
     for module in units(task, list(cfg.shard_modules)):
         fully_shard(module, **kwargs)

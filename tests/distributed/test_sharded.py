@@ -173,3 +173,18 @@ def test_moving_a_checkpoint_to_another_layout_is_refused_before_launch(workdir)
     assert fw("train", "strategy=zero2", "trainer.devices=2", *again, cwd=workdir).returncode == 0
     fewer = fw("train", "strategy=zero2", "trainer.devices=1", *again, cwd=workdir)
     assert fewer.returncode == 2 and "written by 2 processes" in fewer.stderr
+
+
+def test_fsdp_with_named_units_reproduces_ddp_on_gpt(ddp_losses, workdir):
+    result = fw(
+        "train",
+        "strategy=fsdp",
+        "strategy.shard_modules=[Block]",
+        *GPT,
+        *PARITY,
+        "run.dir=run",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = losses(workdir / "run"), ddp_losses["gpt"]
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want)
