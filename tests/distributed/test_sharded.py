@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 
 import pytest
 import torch
 
 from tests.conftest import QUIET, fw, losses
-from tests.distributed.test_resume import SLOW, metric_rows, start, wait_for_step
+from tests.distributed.test_resume import SLOW, kill_then_restart, metric_rows
 
 pytestmark = pytest.mark.slow
 PARITY = [
@@ -108,15 +106,9 @@ def test_kill_9_and_restart_is_exact_under_sharding(strategy, workdir):
     reference = fw("train", *args, f"run.dir={workdir}/reference", cwd=workdir)
     assert reference.returncode == 0, reference.stderr[-3000:]
     kill_step = random.Random(strategy).randint(6, 17)
-    run = workdir / "run"
-    proc = start([*args, f"run.dir={run}"], workdir)
-    wait_for_step(run, kill_step, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    again = fw("train", *args, f"run.dir={run}", cwd=workdir)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "Resuming from" in again.stderr
-    assert metric_rows(run) == metric_rows(workdir / "reference")
+    err = kill_then_restart(args, workdir / "run", kill_step, workdir)
+    assert "Resuming from" in err
+    assert metric_rows(workdir / "run") == metric_rows(workdir / "reference")
 
 
 def test_export_of_sharded_checkpoints_equals_the_ddp_model(workdir):
