@@ -40,6 +40,7 @@ format: install
 bench: install
 	$(BIN)/python -m benchmarks.overhead
 	$(BIN)/python -m benchmarks.startup
+	$(BIN)/python -m benchmarks.memory
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
