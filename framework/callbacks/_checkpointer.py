@@ -46,6 +46,7 @@ class Checkpointer(pl.Callback):
         self.last_saved = -1
         self.signal_received: int | None = None
         self.preempted_at: int | None = None
+        self._vote = PreemptionVote()
 
     @property
     def state_key(self) -> str:
@@ -100,8 +101,8 @@ class Checkpointer(pl.Callback):
         per_rank = getattr(loader, "batch_size", None) or 0
         self.cursor += per_rank * trainer.world_size
         step = trainer.global_step
-        preempt = self.cfg.on_preemption and trainer.strategy.reduce_boolean_decision(
-            self.signal_received is not None, all=False
+        preempt = self.cfg.on_preemption and self._vote.agreed(
+            self.signal_received is not None, trainer.strategy.root_device
         )
         due = self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
         # The last step is saved here, not in on_train_end: by then Lightning has closed the
@@ -134,6 +135,7 @@ class Checkpointer(pl.Callback):
             self.save(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._vote.finish()
         step = trainer.global_step
         if self.cfg.save_on_train_end and step > 0 and step != self.last_saved:
             self.save(trainer)
@@ -175,6 +177,36 @@ class Checkpointer(pl.Callback):
         trainer.strategy.barrier("checkpoint-commit")
         self.rng_states = []
         self.last_saved = step
+
+
+class PreemptionVote:
+    """Whether any rank got SIGTERM/SIGUSR1, decided by all ranks at the same step.
+
+    A blocking all-reduce every step would cost a round trip per step (about 30% of a small
+    DDP step on CPU). Instead each step starts an asynchronous all-reduce of this rank's flag and
+    reads the previous step's result, which has long arrived: the job stops one step later, at
+    no waiting cost.
+    """
+
+    def __init__(self) -> None:
+        self.pending: tuple[Any, torch.Tensor] | None = None
+
+    def agreed(self, local: bool, device: torch.device) -> bool:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return local
+        decided = False
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()
+            decided = bool(flag.item())
+        flag = torch.tensor([int(local)], device=device)
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return decided
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
