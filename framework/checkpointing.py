@@ -159,3 +159,27 @@ def best(ckpt_dir: Path, monitor: str, mode: str) -> Path | None:
     if not scored:
         return None
     return (max if mode == "max" else min)(scored, key=lambda vp: vp[0])[1]
+
+
+def resolve(path: Path, key: str) -> Path:
+    """The checkpoint a user named: a checkpoint directory, `last`, or a run directory (its newest).
+
+    Raises a ConfigError naming `key` when there is none or it does not verify.
+    """
+    from framework.errors import ConfigError
+
+    hint = "Give a run directory or one of its checkpoints/stepNNNNNNNN folders."
+    if not path.exists():
+        raise ConfigError(key, str(path), "no such file or directory", hint=hint)
+    if (path / "checkpoints").is_dir():
+        found = newest_complete(path / "checkpoints")
+        if found is None:
+            raise ConfigError(key, str(path), "this run directory has no complete checkpoint")
+        return found
+    path = path.resolve()
+    if not (path / META).is_file():
+        raise ConfigError(key, str(path), f"not a checkpoint directory (no {META})", hint=hint)
+    problem = verify(path)
+    if problem:
+        raise ConfigError(key, str(path), f"the checkpoint is damaged: {problem}")
+    return path

@@ -17,29 +17,6 @@ from framework.errors import ConfigError
 log = logging.getLogger("framework.export")
 
 
-def find_checkpoint(source: Path) -> Path:
-    """The checkpoint directory `source` names: itself, `last`, or a run directory's newest."""
-    if not source.exists():
-        raise ConfigError(
-            "source",
-            str(source),
-            "no such file or directory",
-            hint="Give a run directory or one of its checkpoints/stepNNNNNNNN folders.",
-        )
-    if (source / "checkpoints").is_dir():
-        found = checkpointing.newest_complete(source / "checkpoints")
-        if found is None:
-            raise ConfigError(
-                "source", str(source), "this run directory has no complete checkpoint"
-            )
-        return found
-    source = source.resolve()
-    problem = checkpointing.verify(source)
-    if problem:
-        raise ConfigError("source", str(source), f"not a usable checkpoint: {problem}")
-    return source
-
-
 def consolidated_state(ckpt: Path) -> dict:
     """The full, unsharded model state of a checkpoint, as CPU tensors."""
     import torch
@@ -99,7 +76,7 @@ def export(source: Path, out: Path, force: bool = False) -> Path:
         )
     if not out.parent.is_dir():
         raise ConfigError("out", str(out), f"directory {out.parent} does not exist")
-    ckpt = find_checkpoint(source)
+    ckpt = checkpointing.resolve(source, "source")
     state = consolidated_state(ckpt)
     tmp = out.with_name(out.name + ".tmp")
     torch.save(state, tmp)

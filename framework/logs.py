@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import warnings
+
+from framework.world import global_rank
 
 NOISE = ("💡 Tip:",)
 
@@ -17,7 +18,7 @@ class _DropNoise(logging.Filter):
 
 def setup_logging(rank: int | None = None) -> None:
     """`framework` logs at INFO on rank 0 (WARNING elsewhere); known third-party noise is dropped."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) if rank is None else rank
+    rank = global_rank() if rank is None else rank
     logger = logging.getLogger("framework")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)

@@ -40,7 +40,7 @@ def choose(
             log.warning("No complete checkpoint in %s: starting again from step 0.", run_dir)
             return None
     else:
-        ckpt = explicit(Path(mode))
+        ckpt = checkpointing.resolve(Path(mode), "resume")
     check_compatible(ckpt, config)
     check_layout(ckpt, ckpt_format, world_size)
     return ckpt
@@ -70,27 +70,6 @@ def check_layout(ckpt: Path, ckpt_format: str, world_size: int) -> None:
             f"{saved_world} processes and can only be resumed by as many (resharding is not supported yet)",
             [str(saved_world)],
         )
-
-
-def explicit(path: Path) -> Path:
-    """A checkpoint named on the command line: a checkpoint directory, `last`, or a run directory."""
-    if (path / "checkpoints").is_dir():
-        found = checkpointing.newest_complete(path / "checkpoints")
-        if found is None:
-            raise ConfigError("resume", str(path), "this run directory has no complete checkpoint")
-        return found
-    path = path.resolve()
-    if not (path / checkpointing.META).is_file():
-        raise ConfigError(
-            "resume",
-            str(path),
-            "not a checkpoint directory (no meta.json)",
-            hint="Give a run directory or one of its checkpoints/stepNNNNNNNN folders.",
-        )
-    problem = checkpointing.verify(path)
-    if problem:
-        raise ConfigError("resume", str(path), f"the checkpoint is damaged: {problem}")
-    return path
 
 
 def check_compatible(ckpt: Path, config: dict[str, Any]) -> None:
