@@ -29,7 +29,8 @@ class Config:
     mode: str = doc("min", "Whether a lower or a higher `monitor` value is better.", ("min", "max"))
     save_on_train_end: bool = doc(True, "Also save when training ends between checkpoints.")
     on_preemption: bool = doc(
-        True, "On SIGTERM/SIGUSR1: save at the next step and exit with code 75."
+        True,
+        "On SIGTERM/SIGUSR1: save at a step boundary (the next, or the one after) and exit 75.",
     )
 
 
