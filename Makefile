@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,dev,bench]"
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -c constraints.txt --no-build-isolation "deepspeed>=0.15"
 	@$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), v; print('torch', v)"
 	touch $(STAMP)
@@ -41,6 +41,8 @@ bench: install
 	$(BIN)/python -m benchmarks.overhead
 	$(BIN)/python -m benchmarks.startup
 	$(BIN)/python -m benchmarks.memory
+	$(BIN)/python -m benchmarks.strategies
+	$(BIN)/python -m benchmarks.plot
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

@@ -36,7 +36,8 @@ class StepTimer(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         times = {"starts": self.starts, "ends": self.ends, "faults": self.faults}
-        self.path.write_text(json.dumps(times))
+        # "{rank}" in the path: one file per process
+        Path(str(self.path).format(rank=trainer.global_rank)).write_text(json.dumps(times))
         if self.weights:
             torch.save(pl_module.net.state_dict(), self.weights)
 

@@ -68,12 +68,23 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
     """(breaking, harmless) differences between a checkpoint's config and the current one."""
     a, b = flatten(old), flatten(new)
     breaking, harmless = [], []
+    if a.get("strategy.kind") != b.get("strategy.kind"):
+        # Another strategy plugin: its settings differ wholesale; name the move once.
+        harmless.append(f"strategy: {_preset(old)} -> {_preset(new)}")
+        a = {k: v for k, v in a.items() if not k.startswith("strategy.")}
+        b = {k: v for k, v in b.items() if not k.startswith("strategy.")}
     for key in sorted(set(a) | set(b)):
         if key.startswith("run.") or a.get(key, "<absent>") == b.get(key, "<absent>"):
             continue
         line = f"{key}: {a.get(key, '<absent>')} -> {b.get(key, '<absent>')}"
         (breaking if key.startswith(BREAKING) or key in BREAKING else harmless).append(line)
     return breaking, harmless
+
+
+def _preset(config: dict[str, Any]) -> str:
+    strategy = config.get("strategy") or {}
+    kind = strategy.get("kind", "<absent>")
+    return f"zero{strategy['stage']}" if kind == "deepspeed" and "stage" in strategy else str(kind)
 
 
 def load_run_state(run_dir: Path) -> dict[str, Any]:

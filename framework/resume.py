@@ -19,6 +19,7 @@ def choose(
     config: dict[str, Any],
     ckpt_format: str = "lightning",
     world_size: int = 1,
+    strategy: Any = None,
 ) -> Path | None:
     """The checkpoint directory to resume from, or None to start at step 0."""
     existing = (run_dir / "config.yaml").exists()
@@ -42,34 +43,57 @@ def choose(
     else:
         ckpt = checkpointing.resolve(Path(mode), "resume")
     check_compatible(ckpt, config)
-    check_layout(ckpt, ckpt_format, world_size)
+    check_layout(ckpt, ckpt_format, world_size, strategy)
     return ckpt
 
 
-def check_layout(ckpt: Path, ckpt_format: str, world_size: int) -> None:
-    """Refuse moves between checkpoint layouts that cannot be loaded yet (before anything starts).
+def needs_move(meta: dict[str, Any], ckpt_format: str, world_size: int) -> bool:
+    """Whether a checkpoint must be converted to load under this strategy and process count.
 
-    Plain Lightning checkpoints (ddp) load under any process count; sharded ones (DeepSpeed,
-    DCP) only under the strategy and process count that wrote them.
+    Plain Lightning checkpoints (ddp) load as they are under any process count; sharded ones
+    (DeepSpeed, DCP) as they are only under the strategy and process count that wrote them.
     """
-    meta = checkpointing.read_meta(ckpt)
     saved_format, saved_world = meta.get("format", "lightning"), int(meta.get("world_size", 1))
     if saved_format != ckpt_format:
+        return True
+    return saved_format != "lightning" and saved_world != world_size
+
+
+def check_layout(ckpt: Path, ckpt_format: str, world_size: int, strategy: Any = None) -> None:
+    """Refuse, before anything starts, a move to another layout that cannot be made."""
+    meta = checkpointing.read_meta(ckpt)
+    if not needs_move(meta, ckpt_format, world_size):
+        return
+    saved_format = meta.get("format", "lightning")
+    if saved_format == "lightning" and not meta.get("parameter_names", False):
         raise ConfigError(
             "strategy",
             ckpt_format,
-            f"the checkpoint {ckpt.name} was written in the '{saved_format}' "
-            f"format, which this strategy cannot load (moving between strategies is not supported yet)",
-            hint="Resume with the strategy that wrote it, or start a new run.dir.",
+            f"the checkpoint {ckpt.name} was written by ddp before checkpoints recorded "
+            "parameter names, so its optimizer state cannot be moved to another strategy",
+            hint="Resume it with strategy=ddp; its next checkpoint can then be moved.",
         )
-    if saved_format != "lightning" and saved_world != world_size:
+    if strategy is not None and "nvme" in (
+        strategy.get("offload_optimizer"),
+        strategy.get("offload_params"),
+    ):
         raise ConfigError(
-            "trainer.devices",
-            world_size,
-            f"the sharded checkpoint {ckpt.name} was written by "
-            f"{saved_world} processes and can only be resumed by as many (resharding is not supported yet)",
-            [str(saved_world)],
+            "strategy.offload_optimizer",
+            "nvme",
+            f"the checkpoint {ckpt.name} was written by {meta.get('world_size', 1)} "
+            f"process(es) in the '{saved_format}' layout; state swapped to NVMe cannot be "
+            "filled from another layout",
+            ["cpu", "none"],
+            hint="Resume with CPU offload once; its checkpoints then resume under NVMe offload.",
         )
+    log.info(
+        "Moving checkpoint %s: %s with %s process(es) -> %s with %d",
+        ckpt.name,
+        saved_format,
+        meta.get("world_size", 1),
+        ckpt_format,
+        world_size,
+    )
 
 
 def check_compatible(ckpt: Path, config: dict[str, Any]) -> None:

@@ -80,7 +80,12 @@ def plan(
         plugin = load_plugin("strategy", job.cfg.strategy.kind, "strategy.kind")
         ckpt_format = getattr(plugin, "CHECKPOINT_FORMAT", "lightning")
         job.resume_from = resume.choose(
-            job.cfg.resume, job.run_dir, config, ckpt_format, job.world.world_size
+            job.cfg.resume,
+            job.run_dir,
+            config,
+            ckpt_format,
+            job.world.world_size,
+            config["strategy"],
         )
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):

@@ -33,7 +33,9 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     import lightning.pytorch as pl
     import torch
 
+    from framework import checkpointing
     from framework.callbacks._checkpointer import STATE_FILE, Checkpointer, Preempted
+    from framework.resume import needs_move
 
     quiet_lightning()
     cfg = with_secrets(cfg)
@@ -81,6 +83,11 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
         **trainer_args,
     )
     ckpt_path = str(resume_from / STATE_FILE) if resume_from else None
+    saved = checkpointing.read_meta(resume_from) if resume_from else {}
+    if resume_from and needs_move(
+        saved, getattr(strategy, "checkpoint_format", "lightning"), world.world_size
+    ):
+        strategy.portable_from = resume_from  # written by another strategy or process count
     if resume_from and trainer.is_global_zero:
         log.info("Resuming from %s (step %d)", resume_from, ctx.resume_step)
     trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)

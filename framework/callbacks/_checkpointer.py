@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from framework import checkpointing, rng
 from framework.data.sampler import GlobalOrderSampler
+from framework.portable import NAMES_KEY
 
 log = logging.getLogger("framework.checkpoint")
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -47,6 +48,7 @@ class Checkpointer(pl.Callback):
         self.signal_received: int | None = None
         self.preempted_at: int | None = None
         self._vote = PreemptionVote()
+        self.names_recorded = False
 
     @property
     def state_key(self) -> str:
@@ -65,6 +67,17 @@ class Checkpointer(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.restored = state_dict
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning's optimizer state is keyed by position; the names let another layout
+        # (zero*, fsdp) match it to parameters on resume. Sharded optimizers carry their own.
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        groups = [[g["params"] for g in opt.param_groups] for opt in trainer.optimizers]
+        self.names_recorded = all(id(p) in names for opt in groups for g in opt for p in g)
+        if self.names_recorded:
+            checkpoint[NAMES_KEY] = [[[names[id(p)] for p in g] for g in opt] for opt in groups]
 
     # ---- hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -170,6 +183,7 @@ class Checkpointer(pl.Callback):
                 "time": time.time(),
                 "format": getattr(trainer.strategy, "checkpoint_format", "lightning"),
                 "state": STATE_FILE,
+                "parameter_names": self.names_recorded,
             }
             path = checkpointing.commit(tmp, meta)
             self._prune()

@@ -16,14 +16,19 @@ from pathlib import Path
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
+from framework.strategies._portable import PortableResume, load_into_zero
+
 log = logging.getLogger("framework.deepspeed")
 
 
-class ZeroStrategy(DeepSpeedStrategy):
+class ZeroStrategy(PortableResume, DeepSpeedStrategy):
     """DeepSpeed ZeRO on CUDA, or on the CPU with gloo."""
 
     strategy_name = "fw_deepspeed"
     checkpoint_format = "deepspeed"  # a directory of per-rank shards (read by `fw export`)
+
+    def load_portable(self, state) -> None:
+        load_into_zero(self, state)
 
     @property
     def on_cpu(self) -> bool:

@@ -14,8 +14,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from framework.strategies._portable import PortableResume, load_into_fsdp
 
-class FSDP2Strategy(ModelParallelStrategy):
+
+class FSDP2Strategy(PortableResume, ModelParallelStrategy):
     """FSDP2 over all processes (a 1-D mesh), applied per sharding unit of the task."""
 
     strategy_name = "fw_fsdp2"
@@ -30,6 +32,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timedelta(seconds=cfg.timeout_s),
         )
         self.cfg = cfg
+
+    def load_portable(self, state) -> None:
+        load_into_fsdp(self, state)
 
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)

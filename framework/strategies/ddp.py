@@ -47,15 +47,15 @@ def validate(cfg: Config, world: World) -> None:
 
 
 def build(cfg: Config, world: World):
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from framework.strategies._portable import PortableDDP, PortableSingleDevice
 
     if world.world_size == 1:
         import torch
 
         device = torch.device("cuda", world.local_rank) if world.is_cuda else torch.device("cpu")
-        return SingleDeviceStrategy(device=device)
+        return PortableSingleDevice(device=device)
     backend = cfg.backend or ("nccl" if world.is_cuda else "gloo")
-    return DDPStrategy(
+    return PortableDDP(
         process_group_backend=backend,
         timeout=timedelta(seconds=cfg.timeout_s),
         find_unused_parameters=cfg.find_unused_parameters,

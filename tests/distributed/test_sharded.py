@@ -154,19 +154,6 @@ def test_invalid_sharding_settings_are_refused_before_launch(args, message, work
     assert not (workdir / "run").exists()
 
 
-def test_moving_a_checkpoint_to_another_layout_is_refused_before_launch(workdir):
-    base = ["trainer.max_steps=4", *QUIET, "logger=[csv]", "run.dir=run"]
-    assert fw("train", "strategy=ddp", "trainer.devices=2", *base, cwd=workdir).returncode == 0
-    config = (workdir / "run" / "config.yaml").read_text()
-    moved = fw("train", "strategy=zero2", "trainer.devices=2", *base, cwd=workdir)
-    assert moved.returncode == 2 and "'lightning' format" in moved.stderr, moved.stderr[-2000:]
-    assert (workdir / "run" / "config.yaml").read_text() == config, "nothing rewritten"
-    again = ["trainer.max_steps=4", *QUIET, "logger=[csv]", "run.dir=zrun"]
-    assert fw("train", "strategy=zero2", "trainer.devices=2", *again, cwd=workdir).returncode == 0
-    fewer = fw("train", "strategy=zero2", "trainer.devices=1", *again, cwd=workdir)
-    assert fewer.returncode == 2 and "written by 2 processes" in fewer.stderr
-
-
 def test_fsdp_with_named_units_reproduces_ddp_on_gpt(ddp_losses, workdir):
     result = fw(
         "train",
