@@ -36,8 +36,9 @@ class StepTimer(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         times = {"starts": self.starts, "ends": self.ends, "faults": self.faults}
-        # "{rank}" in the path: one file per process
-        Path(str(self.path).format(rank=trainer.global_rank)).write_text(json.dumps(times))
+        # "RANK" in the file name: one file per process
+        name = self.path.name.replace("RANK", str(trainer.global_rank))
+        self.path.with_name(name).write_text(json.dumps(times))
         if self.weights:
             torch.save(pl_module.net.state_dict(), self.weights)
 

@@ -36,13 +36,13 @@ def step_times(strategy: str) -> list[float]:
             f"trainer.devices={PROCESSES}",
             "trainer.accelerator=cpu",
             f"trainer.max_steps={STEPS}",
-            "trainer.val_check_interval=1000",
+            "trainer.limit_val_batches=0",
             "trainer.enable_progress_bar=false",
             "trainer.enable_model_summary=false",
             "callbacks=none",
             "logger=[csv]",
             "+callbacks.timer._target_=benchmarks.step_timer.StepTimer",
-            f"+callbacks.timer.path={tmp}/times-{{rank}}.json",
+            f"+callbacks.timer.path={tmp}/times-RANK.json",
             f"run.dir={tmp}/run",
         ]
         done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
