@@ -67,11 +67,36 @@ def validate(cfg: Config, world: World) -> None:
             "not a writable directory",
             hint="Point it at a directory on a fast local disk.",
         )
+    if nvme and not async_io_available(world):
+        key = "offload_optimizer" if cfg.offload_optimizer == "nvme" else "offload_params"
+        raise ConfigError(
+            f"strategy.{key}",
+            "nvme",
+            "NVMe offload needs DeepSpeed's async_io op, which cannot be built on this machine "
+            "(the libaio library and headers were not found)",
+            ["cpu", "none"],
+            hint="Install libaio (e.g. apt install libaio-dev), or offload to the CPU.",
+        )
     pipeline = int(cfg.deepspeed_config.get("pipeline", {}).get("stages", 1) or 1)
     if cfg.stage == 3 and pipeline > 1:
         raise ConfigError(
             "strategy.stage", cfg.stage, "ZeRO-3 cannot be combined with a pipeline", [1, 2]
         )
+
+
+def async_io_available(world: World) -> bool:
+    """Whether DeepSpeed can build its async_io op (NVMe offload), checked without building it."""
+    if not world.is_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import contextlib
+    import io
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
 def deepspeed_config(cfg: Config) -> dict[str, Any]:

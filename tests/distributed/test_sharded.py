@@ -167,3 +167,30 @@ def test_fsdp_with_named_units_reproduces_ddp_on_gpt(ddp_losses, workdir):
     assert result.returncode == 0, result.stderr[-3000:]
     got, want = losses(workdir / "run"), ddp_losses["gpt"]
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want)
+
+
+def test_nvme_offload_matches_ddp_or_is_refused_before_launch_without_libaio(ddp_losses, workdir):
+    """NVMe offload needs DeepSpeed's async_io op; without libaio it is a config error, not a crash."""
+    from framework.strategies.deepspeed import async_io_available
+    from framework.world import World
+
+    nvme = workdir / "nvme"
+    nvme.mkdir()
+    args = [
+        "strategy=zero3_offload",
+        "strategy.offload_optimizer=nvme",
+        "strategy.offload_params=nvme",
+        f"strategy.nvme_path={nvme}",
+        *DIGITS,
+        *PARITY,
+        "run.dir=run",
+    ]
+    result = fw("train", *args, cwd=workdir)
+    if async_io_available(World(world_size=2, devices=2, num_nodes=1, accelerator="cpu")):
+        assert result.returncode == 0, result.stderr[-3000:]
+        got, want = losses(workdir / "run"), ddp_losses["digits"]
+        assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+    else:
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "libaio" in result.stderr and "Traceback" not in result.stderr
+        assert not (workdir / "run").exists()
