@@ -15,6 +15,7 @@ import torch.distributed as dist
 from framework import checkpointing, rng
 from framework.data.sampler import GlobalOrderSampler
 from framework.portable import NAMES_KEY
+from framework.world import data_parallel
 
 log = logging.getLogger("framework.checkpoint")
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -112,7 +113,7 @@ class Checkpointer(pl.Callback):
     ) -> None:
         loader = trainer.train_dataloader
         per_rank = getattr(loader, "batch_size", None) or 0
-        self.cursor += per_rank * trainer.world_size
+        self.cursor += per_rank * data_parallel()[1]
         step = trainer.global_step
         preempt = self.cfg.on_preemption and self._vote.agreed(
             self.signal_received is not None, trainer.strategy.root_device

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DistributedSampler
+
+from framework.world import data_parallel
 
 
 class GlobalOrderSampler(DistributedSampler):
@@ -29,11 +30,9 @@ class GlobalOrderSampler(DistributedSampler):
         rank: int | None = None,
     ) -> None:
         # DistributedSampler.__init__ needs a dataset; only the attributes matter here.
-        ready = dist.is_available() and dist.is_initialized()
-        self.num_replicas = (
-            num_replicas if num_replicas is not None else (dist.get_world_size() if ready else 1)
-        )
-        self.rank = rank if rank is not None else (dist.get_rank() if ready else 0)
+        dp_rank, dp_size = data_parallel()  # tensor-parallel ranks of one group share the data
+        self.num_replicas = num_replicas if num_replicas is not None else dp_size
+        self.rank = rank if rank is not None else dp_rank
         self.total = num_samples
         self.shuffle = shuffle
         self.seed = seed

@@ -1,4 +1,8 @@
-"""A small decoder-only transformer over bytes (vocabulary of 256)."""
+"""A small decoder-only transformer over bytes (vocabulary of 256), built from `framework.nn`.
+
+The blocks carry their tensor-parallel plans, so the same model runs under `strategy=tensor` or
+`strategy=fsdp_tp` without changes here.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
-        self.dropout = dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
-        self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(n_embd, 4 * n_embd),
-            nn.GELU(),
-            nn.Linear(4 * n_embd, n_embd),
-            nn.Dropout(dropout),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+from framework.nn import Embedding, LayerNorm, LMHead, TransformerBlock, full_tensor
 
 
 class GPT(nn.Module):
@@ -56,16 +27,18 @@ class GPT(nn.Module):
     ) -> None:
         super().__init__()
         self.block_size = block_size
-        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.tok = Embedding(vocab_size, n_embd)
         self.pos = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(n_embd, n_head, dropout) for _ in range(n_layer)
+        )
+        self.ln_f = LayerNorm(n_embd)
+        self.head = LMHead(n_embd, vocab_size)
         self.head.weight = self.tok.weight
         self.apply(self._init)
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith("proj.weight"):  # the two residual projections of every block
                 nn.init.normal_(p, std=0.02 / (2 * n_layer) ** 0.5)
 
     @staticmethod
@@ -92,7 +65,8 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         for _ in range(length):
-            logits = self(idx[:, -self.block_size :])[:, -1, :] / max(temperature, 1e-5)
+            logits = full_tensor(self(idx[:, -self.block_size :]))[:, -1, :]
+            logits = logits / max(temperature, 1e-5)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -47,6 +47,15 @@ class GPTTask(TaskModule):
             if key in args and args[key] < 1:
                 raise ConfigError(f"{prefix}.{key}", args[key], "must be at least 1")
 
+    @staticmethod
+    def tensor_parallel_dims(args: dict) -> dict[str, int]:
+        """Sizes the tensor-parallel degree splits: heads, the MLP's hidden width, the vocabulary."""
+        return {
+            "n_head": args.get("n_head", 4),
+            "n_embd": args.get("n_embd", 128),
+            "vocab_size": args.get("vocab_size", 256),
+        }
+
     def param_groups(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]

@@ -1,0 +1,113 @@
+"""Transformer blocks whose plans shard them Megatron-style over the tensor-parallel ranks.
+
+Attention: the query, key and value projections are split by columns (each rank gets whole heads),
+the output projection by rows; the MLP: the first linear by columns, the second by rows. A block
+therefore needs one all-reduce after attention and one after the MLP in forward, and the same two
+in backward (for the input gradients of the column-split linears). The token embedding and the
+LM head are split over the vocabulary; position embeddings and norms stay whole on every rank.
+
+Each `tp_plan()` returns {submodule name: torch ParallelStyle}, relative to the block itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _styles():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return Replicate, ColwiseParallel, RowwiseParallel
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; heads are split over the tensor-parallel ranks."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
+        self.head_dim = n_embd // n_head
+        self.q = nn.Linear(n_embd, n_embd, bias=bias)
+        self.k = nn.Linear(n_embd, n_embd, bias=bias)
+        self.v = nn.Linear(n_embd, n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: all of them on one process, this rank's share under tensor parallelism
+        q, k, v = (
+            lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def tp_plan(self) -> dict:
+        _, col, row = _styles()
+        return {"q": col(), "k": col(), "v": col(), "proj": row()}
+
+
+class MLP(nn.Module):
+    """Linear -> GELU -> linear (-> dropout); the hidden layer is split over the ranks."""
+
+    def __init__(self, n_embd: int, hidden: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+    def tp_plan(self) -> dict:
+        _, col, row = _styles()
+        return {"fc": col(), "proj": row()}
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm; whole on every tensor-parallel rank (its input is replicated)."""
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(
+        self, n_embd: int, n_head: int, dropout: float = 0.0, mlp_ratio: int = 4, bias: bool = True
+    ) -> None:
+        super().__init__()
+        self.ln1 = LayerNorm(n_embd)
+        self.attn = Attention(n_embd, n_head, dropout, bias)
+        self.ln2 = LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, mlp_ratio * n_embd, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embedding(nn.Embedding):
+    """Token embedding split over the vocabulary (rows); the output is summed over the ranks."""
+
+    def tp_plan(self) -> dict:
+        replicate, _, row = _styles()
+        return {"": row(input_layouts=replicate(), output_layouts=replicate())}
+
+
+class LMHead(nn.Linear):
+    """Output projection to the vocabulary, split over it (columns); logits gathered for the loss.
+
+    `tied_to` names an `Embedding` whose weight it shares (kept shared after sharding: both are
+    split over the vocabulary the same way).
+    """
+
+    def __init__(self, n_embd: int, vocab_size: int) -> None:
+        super().__init__(n_embd, vocab_size, bias=False)
+
+    def tp_plan(self) -> dict:
+        replicate, col, _ = _styles()
+        return {"": col(output_layouts=replicate())}

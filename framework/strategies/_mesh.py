@@ -1,0 +1,109 @@
+"""The Lightning strategy behind `strategy=tensor|fsdp_tp` (imports Lightning and torch.distributed).
+
+Lightning's ModelParallelStrategy knows two mesh dimensions and asks the task to parallelize itself
+in `configure_model`. This one builds a (dp, fsdp, tp) mesh and applies the plans itself, so any
+task built from `framework.nn` blocks (or declaring plans) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from framework.nn.plan import apply_tensor_parallel
+from framework.strategies._fsdp import check_direct_parameters, units
+from framework.strategies._portable import PortableResume, load_into_fsdp
+from framework.world import DP_RANK_ENV, DP_SIZE_ENV
+
+NAMES = ("dp", "fsdp", "tp")
+
+
+class MeshStrategy(PortableResume, ModelParallelStrategy):
+    strategy_name = "fw_mesh"
+    checkpoint_format = "dcp"
+
+    def __init__(self, cfg, degrees: dict[str, int], world) -> None:
+        super().__init__(
+            data_parallel_size=degrees["dp"] * degrees["fsdp"],
+            tensor_parallel_size=degrees["tp"],
+            save_distributed_checkpoint=True,
+            process_group_backend=cfg.backend or ("nccl" if world.is_cuda else "gloo"),
+            timeout=timedelta(seconds=cfg.timeout_s),
+        )
+        self.cfg = cfg
+        self.degrees = degrees
+        self.mesh = None
+
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        Strategy.setup_environment(self)
+        self._setup_distributed()
+        shape = tuple(self.degrees[n] for n in NAMES)
+        self.mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=NAMES)
+        data = self.mesh[("dp", "fsdp")]._flatten("data_parallel")
+        # Lightning reads these two names (sampler, logging); the data loaders read the env.
+        self._device_mesh = self.mesh
+        self._data_mesh = data
+        os.environ[DP_RANK_ENV] = str(data.get_local_rank())
+        os.environ[DP_SIZE_ENV] = str(data.size())
+        self.lightning_module._device_mesh = self.mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self._data_mesh.size(), "rank": self._data_mesh.get_local_rank()}
+
+    def load_portable(self, state) -> None:
+        load_into_fsdp(self, state)
+
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        task = self.lightning_module
+        if self.degrees["tp"] > 1:
+            apply_tensor_parallel(task, self.mesh["tp"], styles(self.cfg.tp_plan))
+        if self.degrees["dp"] * self.degrees["fsdp"] > 1:
+            shard_data_parallel(task, self.mesh, self.degrees, self.cfg)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.barrier()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+
+def styles(names: dict[str, str]) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    make = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_embedding": lambda: RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        ),
+    }
+    return {name: make[style]() for name, style in names.items()}
+
+
+def shard_data_parallel(task, mesh, degrees: dict[str, int], cfg) -> None:
+    """FSDP2 over the data-parallel dimensions: shard over fsdp, replicate over dp (hybrid)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if degrees["dp"] > 1 and degrees["fsdp"] > 1:
+        data_mesh = mesh[("dp", "fsdp")]  # 2-D: HSDP
+    elif degrees["dp"] > 1:
+        data_mesh = mesh[("dp", "fsdp")]  # shard dimension of size 1: replicate only
+    else:
+        data_mesh = mesh["fsdp"]
+    check_direct_parameters(task)
+    for module in units(task, []):
+        fully_shard(module, mesh=data_mesh, reshard_after_forward=cfg.reshard_after_forward)

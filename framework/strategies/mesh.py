@@ -1,0 +1,119 @@
+"""`strategy=tensor`, `strategy=fsdp_tp`, or any degrees: data, sharded-data and tensor parallel on
+one DeviceMesh.
+
+The degrees `dp` (replicated data parallel), `fsdp` (sharded data parallel) and `tp` (tensor
+parallel) multiply to the number of processes; one of them may be -1 ("the rest"). The processes
+form one mesh of shape (dp, fsdp, tp), tensor parallel innermost (neighbouring ranks, the fastest
+links). The transforms are applied in a fixed order: tensor-parallel plans on the `tp` dimension
+(from every `framework.nn` block, or `tp_plan()` of custom modules, or `strategy.tp_plan`), then
+FSDP2 over the data-parallel dimensions (`fully_shard`; hybrid, replicate x shard, when both dp and
+fsdp are above 1). `pp` and `ep` are placeholders for pipeline and expert parallel, which do not
+exist yet. Checkpoints are sharded (torch.distributed.checkpoint).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from framework.config.fields import doc
+from framework.errors import ConfigError
+from framework.world import World
+
+CHECKPOINT_FORMAT = "dcp"
+STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_embedding")
+
+
+@dataclass
+class Config:
+    """Degrees of data (dp), sharded data (fsdp) and tensor (tp) parallelism on one mesh."""
+
+    kind: str = doc("mesh", "Strategy plugin.")
+    dp: int = doc(1, "Replicated data-parallel degree (-1: the processes left over).")
+    fsdp: int = doc(1, "Sharded data-parallel degree, FSDP2 (-1: the processes left over).")
+    tp: int = doc(1, "Tensor-parallel degree (-1: the processes left over).")
+    pp: int = doc(1, "Pipeline-parallel degree (not built yet: must be 1).")
+    ep: int = doc(1, "Expert-parallel degree (not built yet: must be 1).")
+    tp_plan: dict[str, str] = doc(
+        {}, "Extra plan: module name -> colwise | rowwise | colwise_gather | rowwise_embedding."
+    )
+    reshard_after_forward: bool = doc(True, "FSDP: free gathered parameters after forward.")
+    backend: str | None = doc(None, "Collective backend (None: nccl on CUDA, gloo on CPU).")
+    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.")
+
+
+def degrees(cfg: Any, world_size: int) -> dict[str, int]:
+    """The resolved degrees {dp, fsdp, tp}; ConfigError when they do not fit the processes."""
+    for key in ("pp", "ep"):
+        if cfg[key] != 1:
+            raise ConfigError(
+                f"strategy.{key}",
+                cfg[key],
+                f"{'pipeline' if key == 'pp' else 'expert'} parallelism does not exist yet",
+                [1],
+            )
+    values = {k: int(cfg[k]) for k in ("dp", "fsdp", "tp")}
+    rest = [k for k, v in values.items() if v == -1]
+    for key, value in values.items():
+        if value < 1 and value != -1:
+            raise ConfigError(f"strategy.{key}", value, "must be at least 1, or -1 for the rest")
+    if len(rest) > 1:
+        raise ConfigError(
+            f"strategy.{rest[1]}", -1, f"only one degree may be -1 (strategy.{rest[0]} is too)"
+        )
+    known = math.prod(v for v in values.values() if v != -1)
+    if rest:
+        if world_size % known:
+            raise ConfigError(
+                f"strategy.{rest[0]}",
+                -1,
+                f"the other degrees multiply to {known}, which does not divide the "
+                f"{world_size} processes",
+            )
+        values[rest[0]] = world_size // known
+    product = math.prod(values.values())
+    if product != world_size:
+        shown = " x ".join(f"{k}={v}" for k, v in values.items())
+        raise ConfigError(
+            "strategy",
+            shown,
+            f"the degrees multiply to {product}, but the job has {world_size} processes "
+            "(trainer.devices x trainer.num_nodes)",
+            hint="Make dp x fsdp x tp equal the process count, or set one degree to -1.",
+        )
+    return values
+
+
+def validate(cfg: Config, world: World) -> None:
+    degrees(cfg, world.world_size)
+    for name, style in cfg.tp_plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"strategy.tp_plan.{name}", style, "not a known style", STYLES)
+
+
+def validate_task(cfg: Config, task: Any, world: World) -> None:
+    """Shapes the tensor-parallel degree must divide (heads, hidden size, vocabulary)."""
+    tp = degrees(cfg, world.world_size)["tp"]
+    if tp == 1:
+        return
+    module, _, name = str(task._target_).rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    dims = getattr(cls, "tensor_parallel_dims", None)
+    if dims is None:
+        return
+    for key, value in dims(dict(task.model)).items():
+        if value % tp:
+            raise ConfigError(
+                f"task.model.{key}",
+                value,
+                f"must be divisible by the tensor-parallel degree strategy.tp={tp}",
+                hint=f"Choose a multiple of {tp}, or another strategy.tp.",
+            )
+
+
+def build(cfg: Config, world: World):
+    from framework.strategies._mesh import MeshStrategy
+
+    return MeshStrategy(cfg, degrees(cfg, world.world_size), world)
