@@ -164,3 +164,41 @@ class ShardCounter(pl.Callback):
 def _local(t) -> int:
     """Elements of a tensor held by this process (a DTensor's local shard)."""
     return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+
+
+class CommCounter(pl.Callback):
+    """Counts the collectives of one training step with torch's CommDebugMode, per module.
+
+    At step `step` on rank 0, writes {module name: {"forward": {op: n}, "backward": {op: n}}} for
+    every module that issued a collective to `out`/comm.json.
+    """
+
+    def __init__(self, out: str, step: int = 2) -> None:
+        self.out = out
+        self.step = step
+        self.mode = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            from torch.distributed.tensor.debug import CommDebugMode
+
+            self.mode = CommDebugMode()
+            self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.mode is None:
+            return
+        self.mode.__exit__(None, None, None)
+        counts = {
+            fqn: {
+                phase: {str(op).split(".")[-1]: n for op, n in ops.items()}
+                for phase, ops in by_phase.items()
+            }
+            for fqn, by_phase in self.mode.comm_module_counts.items()
+        }
+        self.mode = None
+        if trainer.global_rank == 0:
+            import json
+            from pathlib import Path
+
+            (Path(self.out) / "comm.json").write_text(json.dumps(counts, indent=1, default=str))

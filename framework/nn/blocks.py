@@ -1,12 +1,14 @@
 """Transformer blocks whose plans shard them Megatron-style over the tensor-parallel ranks.
 
-Attention: the query, key and value projections are split by columns (each rank gets whole heads),
-the output projection by rows; the MLP: the first linear by columns, the second by rows. A block
+Attention: the fused query/key/value projection is split by columns (each rank gets whole heads:
+its output features are ordered head by head, q, k and v of one head side by side), the output
+projection by rows; the MLP: the first linear by columns, the second by rows. A block
 therefore needs one all-reduce after attention and one after the MLP in forward, and the same two
 in backward (for the input gradients of the column-split linears). The token embedding and the
 LM head are split over the vocabulary; position embeddings and norms stay whole on every rank.
 
-Each `tp_plan()` returns {submodule name: torch ParallelStyle}, relative to the block itself.
+Each `tp_plan()` returns {submodule name: style name (or a torch ParallelStyle)}, relative to the
+block itself; the styles are described in `framework.nn.plan.style`.
 """
 
 from __future__ import annotations
@@ -14,13 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-def _styles():
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return Replicate, ColwiseParallel, RowwiseParallel
 
 
 class Attention(nn.Module):
@@ -31,25 +26,22 @@ class Attention(nn.Module):
         if n_embd % n_head:
             raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
         self.head_dim = n_embd // n_head
-        self.q = nn.Linear(n_embd, n_embd, bias=bias)
-        self.k = nn.Linear(n_embd, n_embd, bias=bias)
-        self.v = nn.Linear(n_embd, n_embd, bias=bias)
+        # output features ordered (head, q/k/v, head_dim): a split by columns keeps heads whole
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: all of them on one process, this rank's share under tensor parallelism
-        q, k, v = (
-            lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
-        )
+        qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim)
+        q, k, v = (z.transpose(1, 2) for z in qkv.unbind(dim=3))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def tp_plan(self) -> dict:
-        _, col, row = _styles()
-        return {"q": col(), "k": col(), "v": col(), "proj": row()}
+        return {"qkv": "colwise", "proj": "rowwise"}
 
 
 class MLP(nn.Module):
@@ -65,8 +57,7 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
     def tp_plan(self) -> dict:
-        _, col, row = _styles()
-        return {"fc": col(), "proj": row()}
+        return {"fc": "colwise", "proj": "rowwise"}
 
 
 class LayerNorm(nn.LayerNorm):
@@ -94,20 +85,18 @@ class Embedding(nn.Embedding):
     """Token embedding split over the vocabulary (rows); the output is summed over the ranks."""
 
     def tp_plan(self) -> dict:
-        replicate, _, row = _styles()
-        return {"": row(input_layouts=replicate(), output_layouts=replicate())}
+        return {"": "rowwise_embedding"}
 
 
 class LMHead(nn.Linear):
     """Output projection to the vocabulary, split over it (columns); logits gathered for the loss.
 
-    `tied_to` names an `Embedding` whose weight it shares (kept shared after sharding: both are
-    split over the vocabulary the same way).
+    Its weight may be tied to an `Embedding`'s: both are split over the vocabulary the same way,
+    and the tie is kept after sharding.
     """
 
     def __init__(self, n_embd: int, vocab_size: int) -> None:
         super().__init__(n_embd, vocab_size, bias=False)
 
     def tp_plan(self) -> dict:
-        replicate, col, _ = _styles()
-        return {"": col(output_layouts=replicate())}
+        return {"": "colwise_gather"}

@@ -7,17 +7,43 @@ from typing import Any
 import torch
 from torch import nn
 
+STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_embedding")
+
+
+def style(name: str) -> Any:
+    """A torch ParallelStyle from its name in a config or a `tp_plan()`.
+
+    colwise: split the output features (the output stays split); rowwise: split the input features
+    and all-reduce the output; colwise_gather: colwise, then all-gather the output (an LM head);
+    rowwise_embedding: an embedding split over its rows (the vocabulary), output all-reduced.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLES)}")
+
 
 def collect_plan(model: nn.Module) -> dict[str, Any]:
-    """{absolute module name: ParallelStyle} from every module that declares `tp_plan()`."""
+    """{absolute module name: ParallelStyle} from every module that declares `tp_plan()`.
+
+    A plan maps names relative to its module ("" for the module itself; * wildcards allowed) to a
+    ParallelStyle or a style name.
+    """
     plan: dict[str, Any] = {}
     for name, module in model.named_modules():
-        own = getattr(type(module), "tp_plan", None)
-        if own is None:
+        if not callable(getattr(type(module), "tp_plan", None)):
             continue
-        for sub, style in module.tp_plan().items():
+        for sub, entry in module.tp_plan().items():
             full = ".".join(p for p in (name, sub) if p)
-            plan[full] = style
+            plan[full] = style(entry) if isinstance(entry, str) else entry
     return plan
 
 
@@ -29,7 +55,8 @@ def apply_tensor_parallel(model: nn.Module, mesh, extra: dict[str, Any] | None =
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {**collect_plan(model), **(extra or {})}
+    given = {k: style(v) if isinstance(v, str) else v for k, v in (extra or {}).items()}
+    plan = {**collect_plan(model), **given}
     if not plan:
         return 0
     ties = _shared_parameters(model)

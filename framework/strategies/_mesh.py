@@ -66,7 +66,8 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         task = self.lightning_module
         if self.degrees["tp"] > 1:
-            apply_tensor_parallel(task, self.mesh["tp"], styles(self.cfg.tp_plan))
+            extra = dict(str(e).rsplit(":", 1) for e in self.cfg.tp_plan)
+            apply_tensor_parallel(task, self.mesh["tp"], extra)
         if self.degrees["dp"] * self.degrees["fsdp"] > 1:
             shard_data_parallel(task, self.mesh, self.degrees, self.cfg)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -77,21 +78,6 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-
-def styles(names: dict[str, str]) -> dict[str, Any]:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    make = {
-        "colwise": lambda: ColwiseParallel(),
-        "rowwise": lambda: RowwiseParallel(),
-        "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "rowwise_embedding": lambda: RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Replicate()
-        ),
-    }
-    return {name: make[style]() for name, style in names.items()}
 
 
 def shard_data_parallel(task, mesh, degrees: dict[str, int], cfg) -> None:

@@ -23,7 +23,7 @@ from framework.errors import ConfigError
 from framework.world import World
 
 CHECKPOINT_FORMAT = "dcp"
-STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_embedding")
+STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_embedding")  # framework.nn.plan
 
 
 @dataclass
@@ -36,8 +36,10 @@ class Config:
     tp: int = doc(1, "Tensor-parallel degree (-1: the processes left over).")
     pp: int = doc(1, "Pipeline-parallel degree (not built yet: must be 1).")
     ep: int = doc(1, "Expert-parallel degree (not built yet: must be 1).")
-    tp_plan: dict[str, str] = doc(
-        {}, "Extra plan: module name -> colwise | rowwise | colwise_gather | rowwise_embedding."
+    tp_plan: list[str] = doc(
+        [],
+        "Extra plan entries 'module:style' (names may use * wildcards); styles: colwise, "
+        "rowwise, colwise_gather, rowwise_embedding.",
     )
     reshard_after_forward: bool = doc(True, "FSDP: free gathered parameters after forward.")
     backend: str | None = doc(None, "Collective backend (None: nccl on CUDA, gloo on CPU).")
@@ -88,9 +90,14 @@ def degrees(cfg: Any, world_size: int) -> dict[str, int]:
 
 def validate(cfg: Config, world: World) -> None:
     degrees(cfg, world.world_size)
-    for name, style in cfg.tp_plan.items():
+    for entry in cfg.tp_plan:
+        name, _, style = str(entry).rpartition(":")
+        if not name:
+            raise ConfigError(
+                "strategy.tp_plan", entry, "an entry is 'module:style', e.g. 'net.0:colwise'"
+            )
         if style not in STYLES:
-            raise ConfigError(f"strategy.tp_plan.{name}", style, "not a known style", STYLES)
+            raise ConfigError("strategy.tp_plan", entry, f"'{style}' is not a known style", STYLES)
 
 
 def validate_task(cfg: Config, task: Any, world: World) -> None:

@@ -1,0 +1,132 @@
+"""Tensor parallel and N-D meshes: strategy=tensor, fsdp_tp and explicit degrees reproduce one
+process; each transformer block costs exactly 2 all-reduces forward and 2 backward; a custom
+model with a plan from the config; layout-changing resume; invalid degrees refused before launch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import QUIET, fw, losses
+
+pytestmark = pytest.mark.slow
+COMMON = [
+    *QUIET,
+    "trainer.deterministic=true",
+    "trainer.log_every_n_steps=1",
+    "logger=[csv]",
+]
+GPT = ["experiment=gpt_tiny", "trainer.val_check_interval=20", "task.scheduler.name=constant"]
+DIGITS = ["task=digits", "trainer.max_steps=20"]
+
+
+def train(*args: str, cwd) -> None:
+    result = fw("train", *args, *COMMON, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One-process references: gpt_tiny with global batch 8 and 16, digits with 32."""
+    root = tmp_path_factory.mktemp("single")
+    for name, args in (
+        ("gpt8", [*GPT, "task.data.batch_size=8"]),
+        ("gpt16", [*GPT, "task.data.batch_size=16", "callbacks.checkpoint.every_n_steps=10"]),
+        ("digits", [*DIGITS, "task.data.batch_size=32", "callbacks=none"]),
+    ):
+        train("strategy=ddp", "trainer.devices=1", *args, f"run.dir={root / name}", cwd=root)
+    return {name: losses(root / name) for name in ("gpt8", "gpt16", "digits")}
+
+
+def assert_same(run, want) -> None:
+    got = losses(run)
+    assert sorted(got) == sorted(want) and len(got) == 20
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+
+
+@pytest.mark.parametrize(
+    ("args", "reference"),
+    [
+        (["strategy=tensor", "trainer.devices=2", "task.data.batch_size=8"], "gpt8"),
+        (["strategy=fsdp_tp", "trainer.devices=4", "task.data.batch_size=8"], "gpt16"),
+        (
+            ["strategy=tensor", "strategy.dp=2", "strategy.tp=2", "trainer.devices=4"],
+            "gpt16",
+        ),
+    ],
+    ids=["tp2", "fsdp2xtp2", "dp2xtp2"],
+)
+def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(args, reference, single, workdir):
+    train(*args, *GPT, "callbacks=none", "run.dir=run", cwd=workdir)
+    assert_same(workdir / "run", single[reference])
+
+
+def comm_counts(workdir, *args: str) -> dict:
+    counter = ["+callbacks.comm._target_=tests.tasks.CommCounter", f"+callbacks.comm.out={workdir}"]
+    train(*args, "trainer.max_steps=3", "callbacks=none", *counter, "run.dir=run", cwd=workdir)
+    return json.loads((workdir / "comm.json").read_text())
+
+
+def test_each_transformer_block_costs_two_all_reduces_forward_and_two_backward(workdir):
+    counts = comm_counts(workdir, "strategy=tensor", "trainer.devices=2", *GPT)
+    blocks = [k for k in counts if k.startswith("GPTTask.model.blocks.") and k.count(".") == 3]
+    assert len(blocks) == 2  # gpt_tiny has 2 layers
+    for block in blocks:
+        assert counts[block] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+    # vocabulary-parallel embedding: one all-reduce; the head gathers the logits once
+    assert counts["GPTTask.model.tok"]["forward"] == {"all_reduce": 1}
+    assert counts["GPTTask.model.head"]["forward"] == {"all_gather_into_tensor": 1}
+
+
+def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, workdir):
+    plan = "strategy.tp_plan=[net.0:colwise,net.3:rowwise]"
+    args = ["strategy=tensor", plan, "trainer.devices=2", "task.data.batch_size=32"]
+    train(*args, *DIGITS, "callbacks=none", "run.dir=run", cwd=workdir)
+    assert_same(workdir / "run", single["digits"])
+    counts = comm_counts(workdir / "run", *args, "task=digits")
+    assert counts["DigitsTask.net.3"]["forward"] == {"all_reduce": 1}, "the plan was applied"
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (
+            ["strategy=tensor", "trainer.devices=2", "task.data.batch_size=16"],
+            ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
+        ),
+        (
+            ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
+            ["strategy=fsdp_tp", "trainer.devices=4", "task.data.batch_size=8"],
+        ),
+    ],
+    ids=["tp2-to-one-process", "one-process-to-fsdp2xtp2"],
+)
+def test_resume_into_another_layout_continues_the_same_run(first, second, single, workdir):
+    save = ["callbacks.checkpoint.every_n_steps=10"]
+    train(*first, *GPT, *save, "trainer.max_steps=10", "run.dir=run", cwd=workdir)
+    train(*second, *GPT, *save, "trainer.max_steps=20", "run.dir=run", cwd=workdir)
+    assert_same(workdir / "run", single["gpt16"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["strategy=tensor", "strategy.tp=3"], "the degrees multiply to 3, but the job has 2"),
+        (["strategy=fsdp_tp", "trainer.devices=3"], "does not divide the 3 processes"),
+        (["strategy=tensor", "strategy.dp=-1", "strategy.tp=-1"], "only one degree may be -1"),
+        (["strategy=tensor", "strategy.pp=2"], "pipeline parallelism does not exist yet"),
+        (
+            ["strategy=tensor", "experiment=gpt_tiny", "task.model.n_head=1"],
+            "task.model.n_head=1: must be divisible by the tensor-parallel degree",
+        ),
+        (["strategy=tensor", "strategy.tp_plan=[net.0:diagonal]"], "not a known style"),
+        (["strategy=tensor", "strategy.tp_plan=[colwise]"], "an entry is 'module:style'"),
+    ],
+)
+def test_invalid_degrees_and_shapes_are_refused_before_launch(args, message, workdir):
+    devices = [] if any(a.startswith("trainer.devices") for a in args) else ["trainer.devices=2"]
+    result = fw("train", *devices, *args, "run.dir=run", cwd=workdir)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (workdir / "run").exists()
