@@ -7,7 +7,15 @@ built from them can declare a plan the same way (a `tp_plan()` method), or the c
 one (`strategy.tp_plan`).
 """
 
-from framework.nn.blocks import MLP, Attention, Embedding, LayerNorm, LMHead, TransformerBlock
+from framework.nn.blocks import (
+    MLP,
+    Attention,
+    Embedding,
+    LayerNorm,
+    LMHead,
+    SequenceSplit,
+    TransformerBlock,
+)
 from framework.nn.plan import apply_tensor_parallel, full_tensor
 
 __all__ = [
@@ -16,6 +24,7 @@ __all__ = [
     "Embedding",
     "LMHead",
     "LayerNorm",
+    "SequenceSplit",
     "TransformerBlock",
     "apply_tensor_parallel",
     "full_tensor",

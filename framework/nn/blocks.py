@@ -7,8 +7,14 @@ therefore needs one all-reduce after attention and one after the MLP in forward,
 in backward (for the input gradients of the column-split linears). The token embedding and the
 LM head are split over the vocabulary; position embeddings and norms stay whole on every rank.
 
-Each `tp_plan()` returns {submodule name: style name (or a torch ParallelStyle)}, relative to the
-block itself; the styles are described in `framework.nn.plan.style`.
+With sequence parallelism (`strategy.sequence_parallel=true`) the residual stream between the
+blocks is split over the sequence instead of replicated: norms (and dropout) run on this rank's
+positions only, each all-reduce becomes a reduce-scatter (after the row-split linear) plus an
+all-gather (before the next column-split one): the same bytes, less activation memory.
+`SequenceSplit` marks where the residual stream enters that region; the LM head gathers it.
+
+Each `tp_plan(sequence_parallel)` returns {submodule name: style name (or a torch ParallelStyle)},
+relative to the block itself; the styles are described in `framework.nn.plan.style`.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
-    def tp_plan(self) -> dict:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
+        if sequence_parallel:
+            return {"": "gather_sequence", "qkv": "colwise", "proj": "rowwise_scatter_sequence"}
         return {"qkv": "colwise", "proj": "rowwise"}
 
 
@@ -56,12 +64,37 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
-    def tp_plan(self) -> dict:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
+        if sequence_parallel:
+            return {"": "gather_sequence", "fc": "colwise", "proj": "rowwise_scatter_sequence"}
         return {"fc": "colwise", "proj": "rowwise"}
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm; whole on every tensor-parallel rank (its input is replicated)."""
+    """LayerNorm; whole on every tensor-parallel rank, run on this rank's positions under
+    sequence parallelism."""
+
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
+        return {"": "sequence"} if sequence_parallel else {}
+
+
+class SequenceSplit(nn.Identity):
+    """Where the residual stream enters the sequence-parallel region (identity otherwise).
+
+    Under sequence parallelism every sequence must split evenly over the ranks: `multiple` is
+    then the tensor-parallel degree, and `pad` right-pads token ids to a multiple of it (for
+    generation, whose context grows one token at a time; causal attention keeps the padding out
+    of the real positions).
+    """
+
+    multiple = 1
+
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
+        return {"": "split_sequence"} if sequence_parallel else {}
+
+    def pad(self, idx: torch.Tensor) -> torch.Tensor:
+        extra = (-idx.shape[1]) % self.multiple
+        return F.pad(idx, (0, extra)) if extra else idx
 
 
 class TransformerBlock(nn.Module):
@@ -84,7 +117,7 @@ class TransformerBlock(nn.Module):
 class Embedding(nn.Embedding):
     """Token embedding split over the vocabulary (rows); the output is summed over the ranks."""
 
-    def tp_plan(self) -> dict:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
         return {"": "rowwise_embedding"}
 
 
@@ -98,5 +131,5 @@ class LMHead(nn.Linear):
     def __init__(self, n_embd: int, vocab_size: int) -> None:
         super().__init__(n_embd, vocab_size, bias=False)
 
-    def tp_plan(self) -> dict:
-        return {"": "colwise_gather"}
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
+        return {"": "colwise_gather_from_sequence" if sequence_parallel else "colwise_gather"}

@@ -7,7 +7,17 @@ from typing import Any
 import torch
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_embedding")
+STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather",
+    "rowwise_embedding",
+    "sequence",
+    "split_sequence",
+    "gather_sequence",
+    "rowwise_scatter_sequence",
+    "colwise_gather_from_sequence",
+)
 
 
 def style(name: str) -> Any:
@@ -16,22 +26,48 @@ def style(name: str) -> Any:
     colwise: split the output features (the output stays split); rowwise: split the input features
     and all-reduce the output; colwise_gather: colwise, then all-gather the output (an LM head);
     rowwise_embedding: an embedding split over its rows (the vocabulary), output all-reduced.
+    Sequence parallel (dimension 1 is the sequence): sequence: run the module (a norm) on this
+    rank's positions; split_sequence: keep this rank's positions of a replicated output (no
+    communication); gather_sequence: all-gather the input's positions before the module;
+    rowwise_scatter_sequence: rowwise with a reduce-scatter over positions instead of the
+    all-reduce; colwise_gather_from_sequence: all-gather the positions, then colwise_gather.
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
-    if name == "colwise":
-        return ColwiseParallel()
-    if name == "rowwise":
-        return RowwiseParallel()
-    if name == "colwise_gather":
-        return ColwiseParallel(output_layouts=Replicate())
-    if name == "rowwise_embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLES)}")
+    makers = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_embedding": lambda: RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        ),
+        "sequence": lambda: SequenceParallel(use_local_output=True),
+        "split_sequence": lambda: PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        ),
+        # the module gets a DTensor: its gradient reaches the all-gather as a partial sum, which
+        # makes the backward a reduce-scatter (a plain tensor would make it an all-reduce)
+        "gather_sequence": lambda: PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "rowwise_scatter_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
+        "colwise_gather_from_sequence": lambda: ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Replicate()
+        ),
+    }
+    if name not in makers:
+        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLES)}")
+    return makers[name]()
 
 
-def collect_plan(model: nn.Module) -> dict[str, Any]:
+def collect_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, Any]:
     """{absolute module name: ParallelStyle} from every module that declares `tp_plan()`.
 
     A plan maps names relative to its module ("" for the module itself; * wildcards allowed) to a
@@ -41,13 +77,24 @@ def collect_plan(model: nn.Module) -> dict[str, Any]:
     for name, module in model.named_modules():
         if not callable(getattr(type(module), "tp_plan", None)):
             continue
-        for sub, entry in module.tp_plan().items():
+        for sub, entry in _plan_of(module, sequence_parallel).items():
             full = ".".join(p for p in (name, sub) if p)
             plan[full] = style(entry) if isinstance(entry, str) else entry
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, mesh, extra: dict[str, Any] | None = None) -> int:
+def _plan_of(module: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
+    if not sequence_parallel:
+        return module.tp_plan()
+    try:
+        return module.tp_plan(sequence_parallel=True)
+    except TypeError:  # a custom plan without a sequence-parallel variant
+        return module.tp_plan()
+
+
+def apply_tensor_parallel(
+    model: nn.Module, mesh, extra: dict[str, Any] | None = None, sequence_parallel: bool = False
+) -> int:
     """Shard `model` in place over the 1-D tensor-parallel `mesh`; returns how many modules.
 
     Weights shared between modules (a head tied to its embedding) stay shared: the sharded
@@ -56,11 +103,15 @@ def apply_tensor_parallel(model: nn.Module, mesh, extra: dict[str, Any] | None =
     from torch.distributed.tensor.parallel import parallelize_module
 
     given = {k: style(v) if isinstance(v, str) else v for k, v in (extra or {}).items()}
-    plan = {**collect_plan(model), **given}
+    plan = {**collect_plan(model, sequence_parallel), **given}
     if not plan:
         return 0
     ties = _shared_parameters(model)
     parallelize_module(model, mesh, plan)
+    if sequence_parallel:
+        for module in model.modules():
+            if hasattr(type(module), "pad") and hasattr(type(module), "multiple"):
+                module.multiple = mesh.size()  # SequenceSplit: sequences split evenly
     for owner, others in ties.items():
         shared = _get(model, owner)
         for other in others:

@@ -59,6 +59,10 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self._data_mesh.size(), "rank": self._data_mesh.get_local_rank()}
 
+    def post_backward(self, closure_loss) -> None:
+        super().post_backward(closure_loss)
+        reduce_partial_gradients(self.lightning_module)
+
     def load_portable(self, state) -> None:
         load_into_fsdp(self, state)
 
@@ -67,7 +71,9 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
         task = self.lightning_module
         if self.degrees["tp"] > 1:
             extra = dict(str(e).rsplit(":", 1) for e in self.cfg.tp_plan)
-            apply_tensor_parallel(task, self.mesh["tp"], extra)
+            apply_tensor_parallel(
+                task, self.mesh["tp"], extra, sequence_parallel=self.cfg.sequence_parallel
+            )
         if self.degrees["dp"] * self.degrees["fsdp"] > 1:
             shard_data_parallel(task, self.mesh, self.degrees, self.cfg)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -78,6 +84,22 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+
+def reduce_partial_gradients(module) -> None:
+    """Sum, once per step, gradients that are still partial sums over the tensor-parallel ranks.
+
+    Under sequence parallelism a norm's weight (or a row-split linear's bias) sees only this
+    rank's positions, so its gradient is a DTensor holding a partial sum. Left so, every optimizer
+    op that reads it would all-reduce it again; here it is all-reduced once after backward.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    for param in module.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+            placements = [Replicate() if isinstance(p, Partial) else p for p in grad.placements]
+            param.grad = grad.redistribute(grad.device_mesh, placements)
 
 
 def shard_data_parallel(task, mesh, degrees: dict[str, int], cfg) -> None:

@@ -20,10 +20,10 @@ from typing import Any
 
 from framework.config.fields import doc
 from framework.errors import ConfigError
+from framework.nn.plan import STYLES
 from framework.world import World
 
 CHECKPOINT_FORMAT = "dcp"
-STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_embedding")  # framework.nn.plan
 
 
 @dataclass
@@ -36,10 +36,13 @@ class Config:
     tp: int = doc(1, "Tensor-parallel degree (-1: the processes left over).")
     pp: int = doc(1, "Pipeline-parallel degree (not built yet: must be 1).")
     ep: int = doc(1, "Expert-parallel degree (not built yet: must be 1).")
+    sequence_parallel: bool = doc(
+        False, "Split norms and dropout over the sequence between blocks (tp > 1)."
+    )
     tp_plan: list[str] = doc(
         [],
-        "Extra plan entries 'module:style' (names may use * wildcards); styles: colwise, "
-        "rowwise, colwise_gather, rowwise_embedding.",
+        "Extra plan entries 'module:style' (names may use * wildcards); styles in "
+        "framework.nn.plan.STYLES, e.g. colwise, rowwise.",
     )
     reshard_after_forward: bool = doc(True, "FSDP: free gathered parameters after forward.")
     backend: str | None = doc(None, "Collective backend (None: nccl on CUDA, gloo on CPU).")
@@ -110,7 +113,7 @@ def validate_task(cfg: Config, task: Any, world: World) -> None:
     dims = getattr(cls, "tensor_parallel_dims", None)
     if dims is None:
         return
-    for key, value in dims(dict(task.model)).items():
+    for key, value in dims(dict(task.model), sequence_parallel=cfg.sequence_parallel).items():
         if value % tp:
             raise ConfigError(
                 f"task.model.{key}",

@@ -10,7 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.nn import Embedding, LayerNorm, LMHead, TransformerBlock, full_tensor
+from framework.nn import (
+    Embedding,
+    LayerNorm,
+    LMHead,
+    SequenceSplit,
+    TransformerBlock,
+    full_tensor,
+)
 
 
 class GPT(nn.Module):
@@ -30,6 +37,7 @@ class GPT(nn.Module):
         self.tok = Embedding(vocab_size, n_embd)
         self.pos = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
+        self.split = SequenceSplit()  # the residual stream is split over positions from here (sp)
         self.blocks = nn.ModuleList(
             TransformerBlock(n_embd, n_head, dropout) for _ in range(n_layer)
         )
@@ -50,7 +58,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
+        x = self.split(self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device))))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -65,7 +73,9 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         for _ in range(length):
-            logits = full_tensor(self(idx[:, -self.block_size :]))[:, -1, :]
+            context = idx[:, -self.block_size :]
+            last = context.shape[1] - 1
+            logits = full_tensor(self(self.split.pad(context)))[:, last, :]
             logits = logits / max(temperature, 1e-5)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]

@@ -48,13 +48,17 @@ class GPTTask(TaskModule):
                 raise ConfigError(f"{prefix}.{key}", args[key], "must be at least 1")
 
     @staticmethod
-    def tensor_parallel_dims(args: dict) -> dict[str, int]:
-        """Sizes the tensor-parallel degree splits: heads, the MLP's hidden width, the vocabulary."""
-        return {
+    def tensor_parallel_dims(args: dict, sequence_parallel: bool = False) -> dict[str, int]:
+        """Sizes the tensor-parallel degree splits: heads, the MLP's hidden width, the vocabulary
+        (and the sequence, under sequence parallelism)."""
+        dims = {
             "n_head": args.get("n_head", 4),
             "n_embd": args.get("n_embd", 128),
             "vocab_size": args.get("vocab_size", 256),
         }
+        if sequence_parallel:
+            dims["block_size"] = args.get("block_size", 128)
+        return dims
 
     def param_groups(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]

@@ -158,7 +158,7 @@ def test_fsdp_with_named_units_reproduces_ddp_on_gpt(ddp_losses, workdir):
     result = fw(
         "train",
         "strategy=fsdp",
-        "strategy.shard_modules=[Block]",
+        "strategy.shard_modules=[TransformerBlock]",
         *GPT,
         *PARITY,
         "run.dir=run",

@@ -54,8 +54,16 @@ def assert_same(run, want) -> None:
             ["strategy=tensor", "strategy.dp=2", "strategy.tp=2", "trainer.devices=4"],
             "gpt16",
         ),
+        (
+            ["strategy=tensor", "strategy.sequence_parallel=true", "trainer.devices=2"],
+            "gpt8",
+        ),
+        (
+            ["strategy=fsdp_tp", "strategy.sequence_parallel=true", "trainer.devices=4"],
+            "gpt16",
+        ),
     ],
-    ids=["tp2", "fsdp2xtp2", "dp2xtp2"],
+    ids=["tp2", "fsdp2xtp2", "dp2xtp2", "tp2-sp", "fsdp2xtp2-sp"],
 )
 def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(args, reference, single, workdir):
     train(*args, *GPT, "callbacks=none", "run.dir=run", cwd=workdir)
@@ -77,6 +85,14 @@ def test_each_transformer_block_costs_two_all_reduces_forward_and_two_backward(w
     # vocabulary-parallel embedding: one all-reduce; the head gathers the logits once
     assert counts["GPTTask.model.tok"]["forward"] == {"all_reduce": 1}
     assert counts["GPTTask.model.head"]["forward"] == {"all_gather_into_tensor": 1}
+
+
+def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(workdir):
+    sp = ["strategy=tensor", "strategy.sequence_parallel=true", "trainer.devices=2", *GPT]
+    counts = comm_counts(workdir, *sp)
+    same_bytes = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    for block in ("GPTTask.model.blocks.0", "GPTTask.model.blocks.1"):
+        assert counts[block] == {"forward": same_bytes, "backward": same_bytes}
 
 
 def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, workdir):
@@ -122,6 +138,15 @@ def test_resume_into_another_layout_continues_the_same_run(first, second, single
         ),
         (["strategy=tensor", "strategy.tp_plan=[net.0:diagonal]"], "not a known style"),
         (["strategy=tensor", "strategy.tp_plan=[colwise]"], "an entry is 'module:style'"),
+        (
+            [
+                "strategy=tensor",
+                "strategy.sequence_parallel=true",
+                "experiment=gpt_tiny",
+                "task.model.block_size=63",
+            ],
+            "task.model.block_size=63: must be divisible by the tensor-parallel degree",
+        ),
     ],
 )
 def test_invalid_degrees_and_shapes_are_refused_before_launch(args, message, workdir):

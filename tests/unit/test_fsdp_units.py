@@ -16,9 +16,9 @@ def names(mods):
 
 def test_blocks_then_top_level_children():
     task = GPTTask(n_layer=2, n_head=2, n_embd=32, block_size=16)
-    assert names(units(task, [])) == ["Block", "Block", "GPT"]
-    nested = units(task, ["Block", "CausalSelfAttention"])
-    assert names(nested) == ["CausalSelfAttention"] * 2 + ["Block"] * 2 + ["GPT"]
+    assert names(units(task, [])) == ["TransformerBlock", "TransformerBlock", "GPT"]
+    nested = units(task, ["TransformerBlock", "Attention"])
+    assert names(nested) == ["Attention"] * 2 + ["TransformerBlock"] * 2 + ["GPT"]
     covered = {id(p) for m in nested for p in m.parameters()}
     assert covered == {id(p) for p in task.parameters()}
 
