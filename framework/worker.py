@@ -18,12 +18,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.context import RunContext, load_run_state, redact
 from framework.logs import quiet_lightning, setup_logging
+from framework.nn.transforms import ModelTransforms
 from framework.plugins import load_plugin
 from framework.world import World
 
 log = logging.getLogger("framework.worker")
 
-TRAINER_KEYS_SKIPPED = ("devices", "num_nodes", "accelerator")
+# Not Lightning Trainer arguments: the process layout, and model transforms applied here.
+TRAINER_KEYS_SKIPPED = (
+    "devices",
+    "num_nodes",
+    "accelerator",
+    "activation_checkpointing",
+    "compile",
+)
 SECRETS_ENV = "FW_SECRET_VALUES"  # secret config values, passed to workers outside config.yaml
 
 
@@ -61,6 +69,11 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     callbacks = [
         build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]
+    transforms = ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile)
+    if hasattr(strategy, "model_transforms"):
+        strategy.model_transforms = transforms  # applied after tensor parallelism, before FSDP
+    else:
+        transforms.apply(task)  # before the strategy wraps or shards the model
     trainer_args = {
         k: v
         for k, v in OmegaConf.to_container(cfg.trainer).items()

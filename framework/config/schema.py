@@ -88,6 +88,13 @@ class TrainerConfig:
     fast_dev_run: int = doc(0, "Run N train and val batches once, with no logging or checkpoints.")
     profiler: str | None = doc(None, "Lightning profiler.", (None, "simple", "advanced", "pytorch"))
     detect_anomaly: bool = doc(False, "Enable autograd anomaly detection (slow).")
+    activation_checkpointing: str = doc(
+        "none",
+        "Recompute activations in backward, per block: full (keep only block inputs), selective "
+        "(keep matmul and collective outputs, recompute the rest) or none.",
+        ("none", "full", "selective"),
+    )
+    compile: bool = doc(False, "torch.compile every block of the model (not the task module).")
 
 
 @dataclass

@@ -30,8 +30,8 @@ def validate(cfg: DictConfig) -> World:
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
     if hasattr(plugin, "validate"):
         plugin.validate(cfg.strategy, world)
-    if hasattr(plugin, "validate_task"):  # shapes the strategy needs divisible, e.g. by tp
-        plugin.validate_task(cfg.strategy, cfg.task, world)
+    if hasattr(plugin, "validate_job"):  # e.g. model shapes the strategy needs divisible by tp
+        plugin.validate_job(cfg.strategy, cfg, world)
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     if hasattr(launcher, "validate"):
         launcher.validate(cfg.launcher, world)

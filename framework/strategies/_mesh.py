@@ -39,6 +39,7 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
         self.cfg = cfg
         self.degrees = degrees
         self.mesh = None
+        self.model_transforms = None  # activation checkpointing and compile, set by the worker
 
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -74,6 +75,8 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
             apply_tensor_parallel(
                 task, self.mesh["tp"], extra, sequence_parallel=self.cfg.sequence_parallel
             )
+        if self.model_transforms is not None:
+            self.model_transforms.apply(task)
         if self.degrees["dp"] * self.degrees["fsdp"] > 1:
             shard_data_parallel(task, self.mesh, self.degrees, self.cfg)
         self.model = self.precision_plugin.convert_module(self.model)

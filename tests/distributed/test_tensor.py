@@ -95,6 +95,44 @@ def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(workdir)
         assert counts[block] == {"forward": same_bytes, "backward": same_bytes}
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["strategy=ddp", "trainer.compile=true", "trainer.activation_checkpointing=full"],
+        ["strategy=zero3", "trainer.activation_checkpointing=full"],
+        ["strategy=fsdp", "trainer.compile=true", "trainer.activation_checkpointing=selective"],
+        [
+            "strategy=tensor",
+            "strategy.sequence_parallel=true",
+            "trainer.activation_checkpointing=full",
+        ],
+        ["strategy=tensor", "trainer.compile=true", "trainer.activation_checkpointing=selective"],
+    ],
+    ids=[
+        "ddp-compile-full",
+        "zero3-full",
+        "fsdp-compile-selective",
+        "tp2-sp-full",
+        "tp2-compile-sel",
+    ],
+)
+def test_activation_checkpointing_and_compile_keep_the_losses(args, single, workdir):
+    per_rank = "task.data.batch_size=8" if "strategy=tensor" in args else "task.data.batch_size=4"
+    train(*args, per_rank, "trainer.devices=2", *GPT, "callbacks=none", "run.dir=run", cwd=workdir)
+    assert_same(workdir / "run", single["gpt8"])
+
+
+def test_full_checkpointing_recomputes_collectives_and_selective_keeps_them(workdir):
+    """Proof the blocks are checkpointed: recomputing a tp block's forward in backward repeats
+    its all-reduce; the selective policy saves collective outputs instead."""
+    tp = ["strategy=tensor", "trainer.devices=2", *GPT]
+    full = comm_counts(workdir, *tp, "trainer.activation_checkpointing=full")
+    assert full["GPTTask.model.blocks.0"]["backward"]["all_reduce"] > 2
+    (workdir / "comm.json").unlink()
+    selective = comm_counts(workdir / "run", *tp, "trainer.activation_checkpointing=selective")
+    assert selective["GPTTask.model.blocks.0"]["backward"] == {"all_reduce": 2}
+
+
 def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, workdir):
     plan = "strategy.tp_plan=[net.0:colwise,net.3:rowwise]"
     args = ["strategy=tensor", plan, "trainer.devices=2", "task.data.batch_size=32"]
@@ -138,6 +176,15 @@ def test_resume_into_another_layout_continues_the_same_run(first, second, single
         ),
         (["strategy=tensor", "strategy.tp_plan=[net.0:diagonal]"], "not a known style"),
         (["strategy=tensor", "strategy.tp_plan=[colwise]"], "an entry is 'module:style'"),
+        (
+            [
+                "strategy=tensor",
+                "strategy.sequence_parallel=true",
+                "trainer.compile=true",
+                "trainer.activation_checkpointing=selective",
+            ],
+            "trains wrong gradients in the installed torch",
+        ),
         (
             [
                 "strategy=tensor",
