@@ -42,6 +42,7 @@ bench: install
 	$(BIN)/python -m benchmarks.startup
 	$(BIN)/python -m benchmarks.memory
 	$(BIN)/python -m benchmarks.strategies
+	$(BIN)/python -m benchmarks.tensor
 	$(BIN)/python -m benchmarks.plot
 
 clean:
