@@ -131,5 +131,8 @@ class LMHead(nn.Linear):
     def __init__(self, n_embd: int, vocab_size: int) -> None:
         super().__init__(n_embd, vocab_size, bias=False)
 
-    def tp_plan(self, sequence_parallel: bool = False) -> dict:
-        return {"": "colwise_gather_from_sequence" if sequence_parallel else "colwise_gather"}
+    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
+        """Logits gathered, or (loss_parallel) left split over the vocabulary as a DTensor for
+        a cross-entropy computed without gathering them (torch's `loss_parallel`)."""
+        name = "colwise_sharded_logits" if loss_parallel else "colwise_gather"
+        return {"": f"{name}_from_sequence" if sequence_parallel else name}

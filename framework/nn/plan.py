@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ STYLES = (
     "gather_sequence",
     "rowwise_scatter_sequence",
     "colwise_gather_from_sequence",
+    "colwise_sharded_logits",
+    "colwise_sharded_logits_from_sequence",
 )
 
 
@@ -45,6 +48,12 @@ def style(name: str) -> Any:
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),
         "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_sharded_logits": lambda: ColwiseParallel(
+            output_layouts=Shard(-1), use_local_output=False
+        ),
+        "colwise_sharded_logits_from_sequence": lambda: ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
         "rowwise_embedding": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Replicate()
         ),
@@ -67,7 +76,9 @@ def style(name: str) -> Any:
     return makers[name]()
 
 
-def collect_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, Any]:
+def collect_plan(
+    model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> dict[str, Any]:
     """{absolute module name: ParallelStyle} from every module that declares `tp_plan()`.
 
     A plan maps names relative to its module ("" for the module itself; * wildcards allowed) to a
@@ -77,23 +88,24 @@ def collect_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str,
     for name, module in model.named_modules():
         if not callable(getattr(type(module), "tp_plan", None)):
             continue
-        for sub, entry in _plan_of(module, sequence_parallel).items():
+        for sub, entry in _plan_of(module, sequence_parallel, loss_parallel).items():
             full = ".".join(p for p in (name, sub) if p)
             plan[full] = style(entry) if isinstance(entry, str) else entry
     return plan
 
 
-def _plan_of(module: nn.Module, sequence_parallel: bool) -> dict[str, Any]:
-    if not sequence_parallel:
-        return module.tp_plan()
-    try:
-        return module.tp_plan(sequence_parallel=True)
-    except TypeError:  # a custom plan without a sequence-parallel variant
-        return module.tp_plan()
+def _plan_of(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+    options = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
+    accepted = inspect.signature(module.tp_plan).parameters
+    return module.tp_plan(**{k: v for k, v in options.items() if k in accepted and v})
 
 
 def apply_tensor_parallel(
-    model: nn.Module, mesh, extra: dict[str, Any] | None = None, sequence_parallel: bool = False
+    model: nn.Module,
+    mesh,
+    extra: dict[str, Any] | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> int:
     """Shard `model` in place over the 1-D tensor-parallel `mesh`; returns how many modules.
 
@@ -103,7 +115,7 @@ def apply_tensor_parallel(
     from torch.distributed.tensor.parallel import parallelize_module
 
     given = {k: style(v) if isinstance(v, str) else v for k, v in (extra or {}).items()}
-    plan = {**collect_plan(model, sequence_parallel), **given}
+    plan = {**collect_plan(model, sequence_parallel, loss_parallel), **given}
     if not plan:
         return 0
     ties = _shared_parameters(model)

@@ -7,6 +7,7 @@ task built from `framework.nn` blocks (or declaring plans) runs unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Any
@@ -60,6 +61,30 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self._data_mesh.size(), "rank": self._data_mesh.get_local_rank()}
 
+    def loss_context(self):
+        """torch's loss_parallel: cross-entropy on vocabulary-split logits, forward and backward."""
+        if self.degrees["tp"] > 1 and self.cfg.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def training_step(self, *args, **kwargs):
+        with self.loss_context():
+            return plain(super().training_step(*args, **kwargs))
+
+    def validation_step(self, *args, **kwargs):
+        with self.loss_context():
+            return plain(super().validation_step(*args, **kwargs))
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        with self.loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def reduce(self, tensor, *args, **kwargs):
+        # values a task logs from a loss_parallel loss are replicated DTensors
+        return super().reduce(plain(tensor), *args, **kwargs)
+
     def post_backward(self, closure_loss) -> None:
         super().post_backward(closure_loss)
         reduce_partial_gradients(self.lightning_module)
@@ -73,7 +98,11 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
         if self.degrees["tp"] > 1:
             extra = dict(str(e).rsplit(":", 1) for e in self.cfg.tp_plan)
             apply_tensor_parallel(
-                task, self.mesh["tp"], extra, sequence_parallel=self.cfg.sequence_parallel
+                task,
+                self.mesh["tp"],
+                extra,
+                sequence_parallel=self.cfg.sequence_parallel,
+                loss_parallel=self.cfg.loss_parallel,
             )
         if self.model_transforms is not None:
             self.model_transforms.apply(task)
@@ -87,6 +116,15 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+
+def plain(output):
+    """A step's loss as a plain tensor (loss_parallel returns a replicated DTensor)."""
+    if hasattr(output, "to_local"):
+        return output.to_local()
+    if isinstance(output, dict) and hasattr(output.get("loss"), "to_local"):
+        return {**output, "loss": output["loss"].to_local()}
+    return output
 
 
 def reduce_partial_gradients(module) -> None:

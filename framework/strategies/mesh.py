@@ -39,6 +39,11 @@ class Config:
     sequence_parallel: bool = doc(
         False, "Split norms and dropout over the sequence between blocks (tp > 1)."
     )
+    loss_parallel: bool = doc(
+        True,
+        "Leave an LMHead's logits split over the vocabulary and compute the task's cross-entropy "
+        "without gathering them (tp > 1).",
+    )
     tp_plan: list[str] = doc(
         [],
         "Extra plan entries 'module:style' (names may use * wildcards); styles in "

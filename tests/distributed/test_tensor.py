@@ -62,8 +62,9 @@ def assert_same(run, want) -> None:
             ["strategy=fsdp_tp", "strategy.sequence_parallel=true", "trainer.devices=4"],
             "gpt16",
         ),
+        (["strategy=tensor", "strategy.loss_parallel=false", "trainer.devices=2"], "gpt8"),
     ],
-    ids=["tp2", "fsdp2xtp2", "dp2xtp2", "tp2-sp", "fsdp2xtp2-sp"],
+    ids=["tp2", "fsdp2xtp2", "dp2xtp2", "tp2-sp", "fsdp2xtp2-sp", "tp2-gathered-logits"],
 )
 def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(args, reference, single, workdir):
     train(*args, *GPT, "callbacks=none", "run.dir=run", cwd=workdir)
@@ -82,9 +83,19 @@ def test_each_transformer_block_costs_two_all_reduces_forward_and_two_backward(w
     assert len(blocks) == 2  # gpt_tiny has 2 layers
     for block in blocks:
         assert counts[block] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
-    # vocabulary-parallel embedding: one all-reduce; the head gathers the logits once
+    # vocabulary-parallel embedding: one all-reduce; the logits stay split over the vocabulary
+    # (loss_parallel): the head gathers nothing, the loss all-reduces per-token statistics only
     assert counts["GPTTask.model.tok"]["forward"] == {"all_reduce": 1}
-    assert counts["GPTTask.model.head"]["forward"] == {"all_gather_into_tensor": 1}
+    assert counts["GPTTask.model.head"]["forward"] == {}
+    (workdir / "comm.json").unlink()
+    gathered = comm_counts(
+        workdir / "run",
+        "strategy=tensor",
+        "strategy.loss_parallel=false",
+        "trainer.devices=2",
+        *GPT,
+    )
+    assert gathered["GPTTask.model.head"]["forward"] == {"all_gather_into_tensor": 1}
 
 
 def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(workdir):
