@@ -72,7 +72,10 @@ def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(args, reference, s
 
 
 def comm_counts(workdir, *args: str) -> dict:
-    counter = ["+callbacks.comm._target_=tests.tasks.CommCounter", f"+callbacks.comm.out={workdir}"]
+    counter = [
+        "+callbacks.comm._target_=framework.debug.CommCounter",
+        f"+callbacks.comm.out={workdir}",
+    ]
     train(*args, "trainer.max_steps=3", "callbacks=none", *counter, "run.dir=run", cwd=workdir)
     return json.loads((workdir / "comm.json").read_text())
 
