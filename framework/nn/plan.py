@@ -115,7 +115,10 @@ def apply_tensor_parallel(
     from torch.distributed.tensor.parallel import parallelize_module
 
     given = {k: style(v) if isinstance(v, str) else v for k, v in (extra or {}).items()}
-    plan = {**collect_plan(model, sequence_parallel, loss_parallel), **given}
+    own = collect_plan(model, sequence_parallel, loss_parallel)
+    # an entry given here replaces the modules' own entries for every name it matches
+    own = {name: s for name, s in own.items() if not any(matches(p, name) for p in given)}
+    plan = {**own, **given}
     if not plan:
         return 0
     ties = _shared_parameters(model)
@@ -130,6 +133,16 @@ def apply_tensor_parallel(
             module_name, _, attr = other.rpartition(".")
             setattr(model.get_submodule(module_name) if module_name else model, attr, shared)
     return len(plan)
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether a plan key (dotted, each part may use * wildcards) names this module."""
+    import fnmatch
+
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(
+        fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms, strict=True)
+    )
 
 
 def _shared_parameters(model: nn.Module) -> dict[str, list[str]]:

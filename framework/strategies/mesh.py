@@ -127,6 +127,8 @@ def validate_job(cfg: Config, job: Any, world: World) -> None:
             ["full", "none"],
             hint="Use full, or turn off compile or sequence_parallel.",
         )
+    if cfg.tp_plan:
+        check_plan_names(cfg, job.task)
     task = job.task
     module, _, name = str(task._target_).rpartition(".")
     cls = getattr(importlib.import_module(module), name)
@@ -140,6 +142,28 @@ def validate_job(cfg: Config, job: Any, world: World) -> None:
                 value,
                 f"must be divisible by the tensor-parallel degree strategy.tp={tp}",
                 hint=f"Choose a multiple of {tp}, or another strategy.tp.",
+            )
+
+
+def check_plan_names(cfg: Config, task_cfg: Any) -> None:
+    """Every `strategy.tp_plan` entry names modules of the task (built on the meta device: no
+    memory, no weights)."""
+    import torch
+
+    from framework.nn.plan import matches
+    from framework.worker import build_task
+
+    with torch.device("meta"):
+        task = build_task(task_cfg)
+    names = [n for n, _ in task.named_modules() if n]
+    for entry in cfg.tp_plan:
+        pattern = str(entry).rpartition(":")[0]
+        if not any(matches(pattern, n) for n in names):
+            raise ConfigError(
+                "strategy.tp_plan",
+                entry,
+                f"'{pattern}' names no module of {type(task).__name__}",
+                hint=f"Its modules include: {', '.join(names[:8])}.",
             )
 
 

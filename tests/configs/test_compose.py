@@ -11,6 +11,8 @@ from framework.config.validate import validate
 from framework.errors import ConfigError
 
 OPTIONS = [(g, o) for g in GROUPS for o in group_options(g) if not (g == "logger" and o == "none")]
+# Options that need more than the default single process (fsdp_tp: fsdp x tp=2).
+NEEDS = {("strategy", "fsdp_tp"): ["trainer.devices=2"]}
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -18,10 +20,17 @@ def test_every_option_composes_and_validates(group, option):
     override = f"{group}=[{option}]" if group == "logger" else f"{group}={option}"
     if group == "trainer" and option == "gpu":
         pytest.skip("needs a CUDA device: covered by test_gpu_trainer_refused_without_cuda")
-    cfg = compose_config([override])
+    cfg = compose_config([override, *NEEDS.get((group, option), [])])
     OmegaConf.resolve(cfg)
     world = validate(cfg)
     assert world.world_size >= 1
+
+
+def test_fsdp_tp_on_one_process_is_refused():
+    cfg = compose_config(["strategy=fsdp_tp"])
+    OmegaConf.resolve(cfg)
+    with pytest.raises(ConfigError, match="does not divide the 1 processes"):
+        validate(cfg)
 
 
 def test_gpu_trainer_refused_without_cuda():

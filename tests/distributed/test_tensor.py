@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.conftest import QUIET, fw, losses
 
@@ -36,7 +37,8 @@ def single(tmp_path_factory):
         ("digits", [*DIGITS, "task.data.batch_size=32", "callbacks=none"]),
     ):
         train("strategy=ddp", "trainer.devices=1", *args, f"run.dir={root / name}", cwd=root)
-    return {name: losses(root / name) for name in ("gpt8", "gpt16", "digits")}
+    out = {name: losses(root / name) for name in ("gpt8", "gpt16", "digits")}
+    return {**out, "root": root}
 
 
 def assert_same(run, want) -> None:
@@ -63,8 +65,32 @@ def assert_same(run, want) -> None:
             "gpt16",
         ),
         (["strategy=tensor", "strategy.loss_parallel=false", "trainer.devices=2"], "gpt8"),
+        (
+            [
+                "strategy=tensor",
+                "strategy.dp=2",
+                "strategy.tp=2",
+                "strategy.sequence_parallel=true",
+                "trainer.activation_checkpointing=selective",
+                "trainer.devices=4",
+            ],
+            "gpt16",
+        ),
+        (
+            ["strategy=fsdp_tp", "trainer.activation_checkpointing=full", "trainer.devices=4"],
+            "gpt16",
+        ),
     ],
-    ids=["tp2", "fsdp2xtp2", "dp2xtp2", "tp2-sp", "fsdp2xtp2-sp", "tp2-gathered-logits"],
+    ids=[
+        "tp2",
+        "fsdp2xtp2",
+        "dp2xtp2",
+        "tp2-sp",
+        "fsdp2xtp2-sp",
+        "tp2-gathered-logits",
+        "dp2xtp2-sp-selective-ac",
+        "fsdp2xtp2-full-ac",
+    ],
 )
 def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(args, reference, single, workdir):
     train(*args, *GPT, "callbacks=none", "run.dir=run", cwd=workdir)
@@ -167,14 +193,37 @@ def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, wo
             ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
             ["strategy=fsdp_tp", "trainer.devices=4", "task.data.batch_size=8"],
         ),
+        (
+            ["strategy=fsdp_tp", "trainer.devices=4", "task.data.batch_size=8"],
+            ["strategy=ddp", "trainer.devices=2", "task.data.batch_size=8"],
+        ),
+        (
+            ["strategy=tensor", "trainer.devices=2", "task.data.batch_size=16"],
+            ["strategy=tensor", "trainer.devices=2", "task.data.batch_size=16"],
+        ),
     ],
-    ids=["tp2-to-one-process", "one-process-to-fsdp2xtp2"],
+    ids=["tp2-to-one-process", "one-process-to-fsdp2xtp2", "fsdp2xtp2-to-ddp2", "tp2-to-tp2"],
 )
 def test_resume_into_another_layout_continues_the_same_run(first, second, single, workdir):
     save = ["callbacks.checkpoint.every_n_steps=10"]
     train(*first, *GPT, *save, "trainer.max_steps=10", "run.dir=run", cwd=workdir)
     train(*second, *GPT, *save, "trainer.max_steps=20", "run.dir=run", cwd=workdir)
     assert_same(workdir / "run", single["gpt16"])
+
+
+def test_export_of_a_tensor_parallel_checkpoint_equals_the_one_process_model(single, workdir):
+    save = ["callbacks.checkpoint.every_n_steps=10", "trainer.max_steps=10", "run.dir=run"]
+    train(
+        "strategy=tensor", "trainer.devices=2", "task.data.batch_size=16", *GPT, *save, cwd=workdir
+    )
+    assert fw("export", "run", "tp.pt", cwd=workdir).returncode == 0
+    ref = single["root"] / "gpt16" / "checkpoints" / "step00000010"
+    assert fw("export", str(ref), "one.pt", cwd=workdir).returncode == 0
+    a = torch.load(workdir / "tp.pt", weights_only=True)
+    b = torch.load(workdir / "one.pt", weights_only=True)
+    assert a.keys() == b.keys() and "model.blocks.0.attn.qkv.weight" in a
+    assert all(a[k].shape == b[k].shape for k in a), "full shapes, not shards"
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
 @pytest.mark.parametrize(
@@ -190,6 +239,10 @@ def test_resume_into_another_layout_continues_the_same_run(first, second, single
         ),
         (["strategy=tensor", "strategy.tp_plan=[net.0:diagonal]"], "not a known style"),
         (["strategy=tensor", "strategy.tp_plan=[colwise]"], "an entry is 'module:style'"),
+        (
+            ["strategy=tensor", "task=digits", "strategy.tp_plan=[net.0:colwise,net.9:rowwise]"],
+            "'net.9' names no module of DigitsTask",
+        ),
         (
             [
                 "strategy=tensor",
