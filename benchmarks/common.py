@@ -52,3 +52,21 @@ def save_results(name: str, results: dict, load_at_start: float) -> None:
         f"load average (1 min) at start / end: {load['at_start']} / {load['at_end']} "
         f"on {os.cpu_count()} cores; results: {path.relative_to(ROOT)}"
     )
+
+
+def train_command(run_dir: str, steps: int, devices: int, *args: str) -> list[str]:
+    """`fw train` on CPU for a benchmark: no progress bar, summary, validation or callbacks."""
+    return [
+        FW,
+        "train",
+        *args,
+        f"trainer.devices={devices}",
+        "trainer.accelerator=cpu",
+        f"trainer.max_steps={steps}",
+        "trainer.limit_val_batches=0",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "callbacks=none",
+        "logger=[csv]",
+        f"run.dir={run_dir}",
+    ]

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import FW, ROOT, load_average, save_results
+from benchmarks.common import ROOT, load_average, save_results, train_command
 from benchmarks.memory import MODEL
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -28,23 +28,15 @@ WARMUP = 10
 
 def step_times(strategy: str) -> list[float]:
     with tempfile.TemporaryDirectory(prefix="fw-bench-strategies-") as tmp:
-        args = [
-            FW,
-            "train",
+        args = train_command(
+            f"{tmp}/run",
+            STEPS,
+            PROCESSES,
             *MODEL,
             f"strategy={strategy}",
-            f"trainer.devices={PROCESSES}",
-            "trainer.accelerator=cpu",
-            f"trainer.max_steps={STEPS}",
-            "trainer.limit_val_batches=0",
-            "trainer.enable_progress_bar=false",
-            "trainer.enable_model_summary=false",
-            "callbacks=none",
-            "logger=[csv]",
             "+callbacks.timer._target_=benchmarks.step_timer.StepTimer",
             f"+callbacks.timer.path={tmp}/times-RANK.json",
-            f"run.dir={tmp}/run",
-        ]
+        )
         done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{strategy} failed:\n{done.stderr[-3000:]}")

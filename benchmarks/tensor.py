@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import FW, ROOT, load_average, save_results
+from benchmarks.common import ROOT, load_average, save_results, train_command
 
 LAYERS, WIDTH, HEADS, SEQ, GLOBAL_BATCH = 4, 256, 4, 256, 8
 MODEL = [
@@ -50,27 +50,19 @@ STEPS, WARMUP = 30, 10
 
 def run(args: list[str], processes: int, dp: int) -> tuple[list[float], dict]:
     with tempfile.TemporaryDirectory(prefix="fw-bench-tensor-") as tmp:
-        command = [
-            FW,
-            "train",
+        command = train_command(
+            f"{tmp}/run",
+            STEPS,
+            processes,
             *MODEL,
             *args,
             f"task.data.batch_size={GLOBAL_BATCH // dp}",
-            f"trainer.devices={processes}",
-            "trainer.accelerator=cpu",
-            f"trainer.max_steps={STEPS}",
-            "trainer.limit_val_batches=0",
-            "trainer.enable_progress_bar=false",
-            "trainer.enable_model_summary=false",
-            "callbacks=none",
-            "logger=[csv]",
             "+callbacks.timer._target_=benchmarks.step_timer.StepTimer",
             f"+callbacks.timer.path={tmp}/times-RANK.json",
             "+callbacks.probe._target_=benchmarks.tp_probe.TPProbe",
             f"+callbacks.probe.out={tmp}",
             f"+callbacks.probe.count={'strategy=ddp' not in args}",
-            f"run.dir={tmp}/run",
-        ]
+        )
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{args} failed:\n{done.stderr[-3000:]}")

@@ -39,14 +39,19 @@ class FSDP2Strategy(PortableResume, ModelParallelStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         shard(self.lightning_module, self.device_mesh["data_parallel"], self.cfg)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.barrier()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        finish_setup(self, trainer)
+
+
+def finish_setup(strategy: ModelParallelStrategy, trainer) -> None:
+    """After the model is sharded in place: precision, optimizers (when fitting), devices."""
+    strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+    strategy.barrier()
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting:
+        strategy.setup_optimizers(trainer)
+    strategy.setup_precision_plugin()
+    if fitting:
+        _optimizers_to_device(strategy.optimizers, strategy.root_device)
 
 
 def units(task: nn.Module, class_names: list[str]) -> list[nn.Module]:

@@ -12,13 +12,11 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
-from lightning.pytorch.trainer.states import TrainerFn
 
 from framework.nn.plan import apply_tensor_parallel
-from framework.strategies._fsdp import check_direct_parameters, units
+from framework.strategies._fsdp import check_direct_parameters, finish_setup, units
 from framework.strategies._portable import PortableResume, load_into_fsdp
 from framework.world import DP_RANK_ENV, DP_SIZE_ENV
 
@@ -108,14 +106,7 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
             self.model_transforms.apply(task)
         if self.degrees["dp"] * self.degrees["fsdp"] > 1:
             shard_data_parallel(task, self.mesh, self.degrees, self.cfg)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.barrier()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        finish_setup(self, trainer)
 
 
 def plain(output):
