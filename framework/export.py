@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from framework import checkpointing
+from framework import checkpointing, portable
 from framework.errors import ConfigError
 
 log = logging.getLogger("framework.export")
@@ -29,7 +29,7 @@ def consolidated_state(ckpt: Path) -> dict:
     elif fmt == "deepspeed":
         tensors = deepspeed_state(path)
     elif fmt == "dcp":
-        tensors = dcp_state(path)
+        tensors = portable.read_dcp(path).model
     else:
         raise ConfigError(
             "source",
@@ -52,19 +52,6 @@ def deepspeed_state(path: Path) -> dict:
     state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="checkpoint")
     prefix = "_forward_module."  # Lightning's wrapper around the task module
     return {k.removeprefix(prefix): v for k, v in state.items()}
-
-
-def dcp_state(path: Path) -> dict:
-    """Gather the model of a sharded torch.distributed.checkpoint in this one process."""
-    import tempfile
-
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        whole = Path(tmp) / "whole.pt"
-        dcp_to_torch_save(str(path), str(whole))
-        return torch.load(whole, map_location="cpu", weights_only=True)["state_dict"]
 
 
 def export(source: Path, out: Path, force: bool = False) -> Path:

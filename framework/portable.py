@@ -182,7 +182,7 @@ def read_deepspeed(path: Path) -> Portable:
                         opt_state.setdefault(name, {})[key] = tensor
                 else:  # a scalar shared by the group (Adam's step)
                     for name in shapes[sub]:
-                        opt_state.setdefault(strip(name), {})[key] = _copy(value)
+                        opt_state.setdefault(strip(name), {})[key] = copy_value(value)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
     buffers = set(model_state.get("buffer_names", []))
     for name, value in model_state["module"].items():
@@ -205,7 +205,7 @@ def _strip_prefix(name: str) -> str:
     return name.removeprefix(WRAPPER_PREFIX)
 
 
-def _copy(value: Any) -> Any:
+def copy_value(value: Any) -> Any:
     return value.clone() if hasattr(value, "clone") else value
 
 

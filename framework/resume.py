@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ def choose(
     config: dict[str, Any],
     ckpt_format: str = "lightning",
     world_size: int = 1,
-    strategy: Any = None,
+    check_move: Callable[[str], None] | None = None,
 ) -> Path | None:
     """The checkpoint directory to resume from, or None to start at step 0."""
     existing = (run_dir / "config.yaml").exists()
@@ -43,7 +44,7 @@ def choose(
     else:
         ckpt = checkpointing.resolve(Path(mode), "resume")
     check_compatible(ckpt, config)
-    check_layout(ckpt, ckpt_format, world_size, strategy)
+    check_layout(ckpt, ckpt_format, world_size, check_move)
     return ckpt
 
 
@@ -59,8 +60,17 @@ def needs_move(meta: dict[str, Any], ckpt_format: str, world_size: int) -> bool:
     return saved_format != "lightning" and saved_world != world_size
 
 
-def check_layout(ckpt: Path, ckpt_format: str, world_size: int, strategy: Any = None) -> None:
-    """Refuse, before anything starts, a move to another layout that cannot be made."""
+def check_layout(
+    ckpt: Path,
+    ckpt_format: str,
+    world_size: int,
+    check_move: Callable[[str], None] | None = None,
+) -> None:
+    """Refuse, before anything starts, a move to another layout that cannot be made.
+
+    `check_move(source)` is the strategy plugin's `check_move` bound to its config: it raises
+    ConfigError when the strategy cannot take in a checkpoint from another layout.
+    """
     meta = checkpointing.read_meta(ckpt)
     if not needs_move(meta, ckpt_format, world_size):
         return
@@ -73,18 +83,10 @@ def check_layout(ckpt: Path, ckpt_format: str, world_size: int, strategy: Any = 
             "parameter names, so its optimizer state cannot be moved to another strategy",
             hint="Resume it with strategy=ddp; its next checkpoint can then be moved.",
         )
-    if strategy is not None and "nvme" in (
-        strategy.get("offload_optimizer"),
-        strategy.get("offload_params"),
-    ):
-        raise ConfigError(
-            "strategy.offload_optimizer",
-            "nvme",
+    if check_move is not None:  # the strategy's own limits (e.g. DeepSpeed's NVMe offload)
+        check_move(
             f"the checkpoint {ckpt.name} was written by {meta.get('world_size', 1)} "
-            f"process(es) in the '{saved_format}' layout; state swapped to NVMe cannot be "
-            "filled from another layout",
-            ["cpu", "none"],
-            hint="Resume with CPU offload once; its checkpoints then resume under NVMe offload.",
+            f"process(es) in the '{saved_format}' layout"
         )
     log.info(
         "Moving checkpoint %s: %s with %s process(es) -> %s with %d",

@@ -6,6 +6,7 @@ each job gets its own run directory holding the frozen `config.yaml` that its wo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -79,13 +80,14 @@ def plan(
         config = redact(OmegaConf.to_container(job.cfg))
         plugin = load_plugin("strategy", job.cfg.strategy.kind, "strategy.kind")
         ckpt_format = getattr(plugin, "CHECKPOINT_FORMAT", "lightning")
+        check_move = getattr(plugin, "check_move", None)
         job.resume_from = resume.choose(
             job.cfg.resume,
             job.run_dir,
             config,
             ckpt_format,
             job.world.world_size,
-            config["strategy"],
+            functools.partial(check_move, job.cfg.strategy) if check_move else None,
         )
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):

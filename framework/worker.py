@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.context import RunContext, load_run_state, redact
 from framework.logs import quiet_lightning, setup_logging
-from framework.nn.transforms import ModelTransforms
 from framework.plugins import load_plugin
 from framework.world import World
 
@@ -43,6 +42,7 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
 
     from framework import checkpointing
     from framework.callbacks._checkpointer import STATE_FILE, Checkpointer, Preempted
+    from framework.nn.transforms import ModelTransforms
     from framework.resume import needs_move
 
     quiet_lightning()

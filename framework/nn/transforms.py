@@ -20,11 +20,14 @@ from torch import nn
 log = logging.getLogger("framework.nn")
 
 
+def list_members(task: nn.Module) -> list[nn.Module]:
+    """Every member of every `nn.ModuleList` in the task: a transformer's layers."""
+    return [m for lst in task.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
 def blocks(task: nn.Module) -> list[nn.Module]:
-    lists = [m for m in task.modules() if isinstance(m, nn.ModuleList)]
-    if lists:
-        return [block for lst in lists for block in lst]
-    return [m for m in task.children() if any(True for _ in m.parameters())]
+    found = list_members(task)
+    return found or [m for m in task.children() if any(True for _ in m.parameters())]
 
 
 def _selective_policy():

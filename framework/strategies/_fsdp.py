@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from framework.nn.transforms import list_members
 from framework.strategies._portable import PortableResume, load_into_fsdp
 
 
@@ -65,7 +66,7 @@ def units(task: nn.Module, class_names: list[str]) -> list[nn.Module]:
     if class_names:
         blocks = [m for m in depth if type(m).__name__ in class_names]
     else:
-        blocks = [m for lst in depth if isinstance(lst, nn.ModuleList) for m in lst]
+        blocks = list_members(task)
     tops = list(task.children())
     chosen = {m: None for m in blocks + tops if any(True for _ in m.parameters())}
     return sorted(chosen, key=lambda m: -depth[m])

@@ -85,7 +85,8 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
 
     def post_backward(self, closure_loss) -> None:
         super().post_backward(closure_loss)
-        reduce_partial_gradients(self.lightning_module)
+        if self.cfg.sequence_parallel:  # the only source of partial gradients here
+            reduce_partial_gradients(self.lightning_module)
 
     def load_portable(self, state) -> None:
         load_into_fsdp(self, state)
@@ -138,12 +139,8 @@ def shard_data_parallel(task, mesh, degrees: dict[str, int], cfg) -> None:
     """FSDP2 over the data-parallel dimensions: shard over fsdp, replicate over dp (hybrid)."""
     from torch.distributed.fsdp import fully_shard
 
-    if degrees["dp"] > 1 and degrees["fsdp"] > 1:
-        data_mesh = mesh[("dp", "fsdp")]  # 2-D: HSDP
-    elif degrees["dp"] > 1:
-        data_mesh = mesh[("dp", "fsdp")]  # shard dimension of size 1: replicate only
-    else:
-        data_mesh = mesh["fsdp"]
+    # with dp > 1 a 2-D mesh: FSDP2 replicates over dp and shards over fsdp (size 1: no sharding)
+    data_mesh = mesh[("dp", "fsdp")] if degrees["dp"] > 1 else mesh["fsdp"]
     check_direct_parameters(task)
     for module in units(task, []):
         fully_shard(module, mesh=data_mesh, reshard_after_forward=cfg.reshard_after_forward)

@@ -106,7 +106,7 @@ def load_into_zero(strategy, state: portable.Portable) -> None:
             slot = base.state[flat]
             for key, value in first.items():
                 elementwise = isinstance(value, torch.Tensor) and value.dim() > 0
-                slot[key] = torch.zeros_like(flat) if elementwise else portable._copy(value)
+                slot[key] = torch.zeros_like(flat) if elementwise else portable.copy_value(value)
     tensor_keys = [
         k
         for k, v in next(iter(saved["state"].values()), {}).items()

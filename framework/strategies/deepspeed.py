@@ -84,6 +84,20 @@ def validate(cfg: Config, world: World) -> None:
         )
 
 
+def check_move(cfg: Config, source: str) -> None:
+    """Refuse a checkpoint from another layout when state lives on NVMe: DeepSpeed swaps it to
+    files that the conversion (framework/portable.py) does not fill."""
+    if "nvme" in (cfg.offload_optimizer, cfg.offload_params):
+        key = "offload_optimizer" if cfg.offload_optimizer == "nvme" else "offload_params"
+        raise ConfigError(
+            f"strategy.{key}",
+            "nvme",
+            f"{source}; state swapped to NVMe cannot be filled from another layout",
+            ["cpu", "none"],
+            hint="Resume with CPU offload once; its checkpoints then resume under NVMe offload.",
+        )
+
+
 def async_io_available(world: World) -> bool:
     """Whether DeepSpeed can build its async_io op (NVMe offload), checked without building it."""
     if not world.is_cuda:

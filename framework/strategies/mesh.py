@@ -13,7 +13,6 @@ exist yet. Checkpoints are sharded (torch.distributed.checkpoint).
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -129,10 +128,10 @@ def validate_job(cfg: Config, job: Any, world: World) -> None:
         )
     if cfg.tp_plan:
         check_plan_names(cfg, job.task)
+    from framework.config.validate import import_target
+
     task = job.task
-    module, _, name = str(task._target_).rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    dims = getattr(cls, "tensor_parallel_dims", None)
+    dims = getattr(import_target("task._target_", task._target_), "tensor_parallel_dims", None)
     if dims is None:
         return
     for key, value in dims(dict(task.model), sequence_parallel=cfg.sequence_parallel).items():

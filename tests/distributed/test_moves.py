@@ -7,6 +7,7 @@ moved: the per-step losses and the final weights of a 10-step ddp run.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -16,6 +17,7 @@ import torch
 from framework import portable, resume
 from framework.errors import ConfigError
 from framework.export import consolidated_state
+from framework.strategies import deepspeed
 from tests.conftest import QUIET, fw, losses
 from tests.distributed.test_resume import metric_rows
 
@@ -123,7 +125,7 @@ def test_impossible_moves_are_refused_before_launch(runs, workdir):
     # into NVMe offload: checked before launch (here in-process: on machines without libaio
     # `fw train` refuses NVMe offload itself, earlier, with another message)
     ckpt = runs / "zero2-2" / "checkpoints" / "step00000005"
-    nvme = {"offload_optimizer": "nvme", "offload_params": "none"}
+    nvme = functools.partial(deepspeed.check_move, deepspeed.Config(offload_optimizer="nvme"))
     with pytest.raises(ConfigError, match="cannot be filled from another layout"):
         resume.check_layout(ckpt, "deepspeed", 4, nvme)
     resume.check_layout(ckpt, "deepspeed", 2, nvme)  # same layout: loads as it is
