@@ -28,14 +28,14 @@ def consolidated_state(ckpt: Path) -> dict:
         tensors = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     elif fmt == "deepspeed":
         tensors = deepspeed_state(path)
-    elif fmt == "dcp":
+    elif fmt in ("dcp", "dcp_flat"):
         tensors = portable.read_dcp(path).model
     else:
         raise ConfigError(
             "source",
             str(ckpt),
             f"checkpoint format '{fmt}' cannot be exported",
-            ["lightning", "deepspeed", "dcp"],
+            ["lightning", "deepspeed", "dcp", "dcp_flat"],
         )
     return {
         k: v.detach().cpu().contiguous().clone()

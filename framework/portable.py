@@ -65,7 +65,12 @@ def read(ckpt: Path) -> Portable:
     meta = checkpointing.read_meta(ckpt)
     fmt = meta.get("format", "lightning")
     path = ckpt / meta.get("state", "state.ckpt")
-    readers = {"lightning": read_lightning, "deepspeed": read_deepspeed, "dcp": read_dcp}
+    readers = {
+        "lightning": read_lightning,
+        "deepspeed": read_deepspeed,
+        "dcp": read_dcp,
+        "dcp_flat": read_dcp,
+    }
     if fmt not in readers:
         raise NotPortable(f"checkpoint format '{fmt}' is not known")
     return readers[fmt](path)
@@ -109,9 +114,37 @@ def read_dcp(path: Path) -> Portable:
     optimizers = []
     for i in range(len([k for k in full if k.startswith("optimizer_")])):
         osd = full[f"optimizer_{i}"]
+        if "param_groups" not in osd:
+            optimizers.append(unflatten_optimizer(osd))
+            continue
         groups = [dict(g) for g in osd["param_groups"]]
         optimizers.append({"state": dict(osd["state"]), "groups": groups})
     return Portable(model=full["state_dict"], optimizers=optimizers, rest=rest)
+
+
+def unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state saved per parameter ('state.<name>.<key>', 'param_groups.<name>.<key>',
+    as pipeline stages write it) in the portable form; parameters with the same settings form
+    one group."""
+    state: dict[str, dict[str, Any]] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, _, rest = key.partition(".")
+        name, _, field = rest.rpartition(".")
+        (state if section == "state" else settings).setdefault(name, {})[field] = value
+    groups: list[dict[str, Any]] = []
+    for name, values in settings.items():
+        group = next((g for g in groups if _same(g, values)), None)
+        if group is None:
+            group = {**values, "params": []}
+            groups.append(group)
+        group["params"].append(name)
+    return {"state": state, "groups": groups}
+
+
+def _same(group: dict[str, Any], values: dict[str, Any]) -> bool:
+    keys = set(group) - {"params"}
+    return keys == set(values) and all(str(group[k]) == str(values[k]) for k in keys)
 
 
 def read_deepspeed(path: Path) -> Portable:

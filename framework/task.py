@@ -30,6 +30,20 @@ class TaskModule(pl.LightningModule):
         self.optimizer_config = dict(optimizer)
         self.scheduler_config = dict(scheduler)
 
+    # Under pipeline parallelism: the stages this process runs (None: it holds the whole model).
+    pipeline_stages: list[int] | None = None
+
+    def pipeline_batch(self, batch: Any) -> tuple[Any, Any]:
+        """(model input, loss target) of a batch, for pipeline parallelism: the first stage gets
+        the input, the last one computes `loss(output, target)`. Default: `batch` is (x, y)."""
+        x, y = batch
+        return x, y
+
+    def loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The loss of the model's output (mean over the batch). Pipeline parallelism calls it on
+        the last stage, once per microbatch, in place of `training_step`/`validation_step`."""
+        raise NotImplementedError(f"{type(self).__name__} defines no loss(output, target)")
+
     def param_groups(self) -> Iterable[Any]:
         """Parameters (or parameter groups) given to the optimizer; override to e.g. skip decay."""
         return self.parameters()

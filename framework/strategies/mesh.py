@@ -7,8 +7,8 @@ form one mesh of shape (dp, fsdp, tp), tensor parallel innermost (neighbouring r
 links). The transforms are applied in a fixed order: tensor-parallel plans on the `tp` dimension
 (from every `framework.nn` block, or `tp_plan()` of custom modules, or `strategy.tp_plan`), then
 FSDP2 over the data-parallel dimensions (`fully_shard`; hybrid, replicate x shard, when both dp and
-fsdp are above 1). `pp` and `ep` are placeholders for pipeline and expert parallel, which do not
-exist yet. Checkpoints are sharded (torch.distributed.checkpoint).
+fsdp are above 1). `ep` is a placeholder for expert parallel, which does not exist yet; pipeline
+parallel is `strategy=pipeline`, whose mesh is (pp, dp, tp). Checkpoints are sharded (torch.distributed.checkpoint).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Config:
     dp: int = doc(1, "Replicated data-parallel degree (-1: the processes left over).")
     fsdp: int = doc(1, "Sharded data-parallel degree, FSDP2 (-1: the processes left over).")
     tp: int = doc(1, "Tensor-parallel degree (-1: the processes left over).")
-    pp: int = doc(1, "Pipeline-parallel degree (not built yet: must be 1).")
+    pp: int = doc(1, "Pipeline parallel lives in strategy=pipeline (here: must be 1).")
     ep: int = doc(1, "Expert-parallel degree (not built yet: must be 1).")
     sequence_parallel: bool = doc(
         False, "Split norms and dropout over the sequence between blocks (tp > 1)."
@@ -60,10 +60,16 @@ def degrees(cfg: Any, world_size: int) -> dict[str, int]:
             raise ConfigError(
                 f"strategy.{key}",
                 cfg[key],
-                f"{'pipeline' if key == 'pp' else 'expert'} parallelism does not exist yet",
+                "pipeline parallelism is strategy=pipeline (with its own dp and tp degrees)"
+                if key == "pp"
+                else "expert parallelism does not exist yet",
                 [1],
             )
-    values = {k: int(cfg[k]) for k in ("dp", "fsdp", "tp")}
+    return fit_degrees({k: int(cfg[k]) for k in ("dp", "fsdp", "tp")}, world_size)
+
+
+def fit_degrees(values: dict[str, int], world_size: int) -> dict[str, int]:
+    """Degrees (one may be -1, "the rest") resolved to multiply to the process count."""
     rest = [k for k, v in values.items() if v == -1]
     for key, value in values.items():
         if value < 1 and value != -1:
@@ -90,7 +96,7 @@ def degrees(cfg: Any, world_size: int) -> dict[str, int]:
             shown,
             f"the degrees multiply to {product}, but the job has {world_size} processes "
             "(trainer.devices x trainer.num_nodes)",
-            hint="Make dp x fsdp x tp equal the process count, or set one degree to -1.",
+            hint=f"Make {' x '.join(values)} equal the process count, or set one degree to -1.",
         )
     return values
 
@@ -128,13 +134,18 @@ def validate_job(cfg: Config, job: Any, world: World) -> None:
         )
     if cfg.tp_plan:
         check_plan_names(cfg, job.task)
+    check_tensor_dims(job.task, tp, cfg.sequence_parallel)
+
+
+def check_tensor_dims(task: Any, tp: int, sequence_parallel: bool) -> None:
+    """The sizes the task says tensor parallelism splits (its `tensor_parallel_dims`) divide
+    by `tp`."""
     from framework.config.validate import import_target
 
-    task = job.task
     dims = getattr(import_target("task._target_", task._target_), "tensor_parallel_dims", None)
     if dims is None:
         return
-    for key, value in dims(dict(task.model), sequence_parallel=cfg.sequence_parallel).items():
+    for key, value in dims(dict(task.model), sequence_parallel=sequence_parallel).items():
         if value % tp:
             raise ConfigError(
                 f"task.model.{key}",

@@ -56,12 +56,26 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.split(self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device))))
+        return self.split(self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device))))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.logits(x)
+
+    def pipeline_layers(self) -> list:
+        """The chain pipeline parallelism cuts into stages: embeddings, each block, norm + head."""
+        return [
+            (("tok", "pos", "drop", "split"), self.embed),
+            *(((f"blocks.{i}",), block) for i, block in enumerate(self.blocks)),
+            (("ln_f", "head"), self.logits),
+        ]
 
     @torch.no_grad()
     def generate(

@@ -68,10 +68,12 @@ class GPTTask(TaskModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return self.loss(self(x), y)
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
@@ -92,6 +94,9 @@ class GPTTask(TaskModule):
 
     def on_train_end(self) -> None:
         if self.hparams.sample_length <= 0:
+            return
+        if self.pipeline_stages is not None:
+            log.info("No sample: under pipeline parallel no process holds the whole model.")
             return
         # Every rank samples (same seed, same text): under sharded strategies (ZeRO-3, FSDP) a
         # forward pass needs all processes to gather the parameters.
