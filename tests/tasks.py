@@ -60,6 +60,19 @@ class SlowDigitsTask(DigitsTask):
         return super().training_step(batch, batch_idx)
 
 
+class SlowLossDigits(DigitsTask):
+    """DigitsTask whose loss takes `loss_sleep` seconds: under pipeline parallel the loss runs on
+    the last stage once per microbatch (not training_step), so a test can kill it mid-run."""
+
+    def __init__(self, hidden: int = 64, dropout: float = 0.1, loss_sleep: float = 0.02) -> None:
+        super().__init__(hidden=hidden, dropout=dropout)
+        self.loss_sleep = loss_sleep
+
+    def loss(self, logits, y):
+        time.sleep(self.loss_sleep)
+        return super().loss(logits, y)
+
+
 class KillDuringSave(pl.Callback):
     """SIGKILLs the whole job while the checkpoint of `step` is being written (once: `marker`)."""
 

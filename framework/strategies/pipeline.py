@@ -153,7 +153,7 @@ def check_layers(cfg: Config, task_cfg: Any, n_stages: int) -> None:
     with torch.device("meta"):
         task = build_task(task_cfg)
     name = type(task).__name__
-    if type(task).loss is TaskModule.loss or not hasattr(task, "loss"):
+    if not hasattr(task, "loss") or type(task).loss is TaskModule.loss:
         raise ConfigError(
             "task._target_",
             task_cfg._target_,
