@@ -43,6 +43,7 @@ bench: install
 	$(BIN)/python -m benchmarks.memory
 	$(BIN)/python -m benchmarks.strategies
 	$(BIN)/python -m benchmarks.tensor
+	$(BIN)/python -m benchmarks.pipeline
 	$(BIN)/python -m benchmarks.plot
 
 clean:

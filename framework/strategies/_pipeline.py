@@ -172,13 +172,14 @@ class PipelineStrategy(PortableResume, ModelParallelStrategy):
     def training_step(self, batch, batch_idx):
         task = self.lightning_module
         trainer = task.trainer
-        x, y = task.pipeline_batch(batch)
+        x, y = inputs_and_targets(task, batch)
         args = (x,) if 0 in self.stage_ids else ()
         target = y if self.n_stages - 1 in self.stage_ids else None
         self.losses = []
         if batch_idx % trainer.accumulate_grad_batches == 0:  # a new accumulation window
             for p in task.parameters():
-                p.grad = None
+                if p.grad is not None:
+                    p.grad.zero_()  # the buffers are reused: no new allocation every step
         tracing = self.cfg.trace and trainer.global_step == self.cfg.trace_step
         if tracing:
             dist.barrier(group=self.pp_group)
@@ -207,7 +208,7 @@ class PipelineStrategy(PortableResume, ModelParallelStrategy):
 
     def validation_step(self, batch, batch_idx):
         task = self.lightning_module
-        x, y = task.pipeline_batch(batch)
+        x, y = inputs_and_targets(task, batch)
         self.losses = []
         with self.precision_plugin.val_step_context():
             out = self.forward_whole(x)
@@ -446,6 +447,15 @@ class Timeline:
 
     def relative(self) -> list[tuple[str, int, int, float, float]]:
         return [(k, s, m, t0 - self.start, t1 - self.start) for k, s, m, t0, t1 in self.events]
+
+
+def inputs_and_targets(task, batch):
+    """The task's `pipeline_batch(batch)`; a LightningModule without one has (x, y) batches."""
+    split = getattr(task, "pipeline_batch", None)
+    if split is not None:
+        return split(batch)
+    x, y = batch
+    return x, y
 
 
 def _rows(target) -> int:
