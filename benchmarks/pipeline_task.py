@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from framework import TaskModule
 from framework.data import make_loader
+from recipes.digits.task import DigitsTask
 
 
-class WideStack(TaskModule):
-    """`depth` layers Linear(width, width) + ReLU between a small input and output layer."""
+class WideStack(DigitsTask):
+    """The digits task's loss and steps; its net `depth` layers Linear(width, width) + ReLU
+    between a small input and output layer."""
 
     def __init__(self, width: int = 2048, depth: int = 8) -> None:
         super().__init__()
@@ -23,18 +23,6 @@ class WideStack(TaskModule):
             *(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)),
             nn.Linear(width, 10),
         )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, y)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = self.loss(self(x), y)
-        self.log("train/loss", loss, sync_dist=True)
-        return loss
 
 
 class RandomRows(pl.LightningDataModule):

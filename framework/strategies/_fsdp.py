@@ -28,9 +28,7 @@ class FSDP2Strategy(PortableResume, ModelParallelStrategy):
         super().__init__(
             data_parallel_size=world.world_size,
             tensor_parallel_size=1,
-            save_distributed_checkpoint=True,
-            process_group_backend=cfg.backend or ("nccl" if world.is_cuda else "gloo"),
-            timeout=timedelta(seconds=cfg.timeout_s),
+            **process_group_args(cfg, world),
         )
         self.cfg = cfg
 
@@ -41,6 +39,16 @@ class FSDP2Strategy(PortableResume, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         shard(self.lightning_module, self.device_mesh["data_parallel"], self.cfg)
         finish_setup(self, trainer)
+
+
+def process_group_args(cfg, world) -> dict:
+    """ModelParallelStrategy's arguments shared by the DTensor strategies: sharded DCP
+    checkpoints, the collective backend and timeout."""
+    return {
+        "save_distributed_checkpoint": True,
+        "process_group_backend": cfg.backend or ("nccl" if world.is_cuda else "gloo"),
+        "timeout": timedelta(seconds=cfg.timeout_s),
+    }
 
 
 def finish_setup(strategy: ModelParallelStrategy, trainer) -> None:

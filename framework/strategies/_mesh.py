@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 
 from framework.nn.plan import apply_tensor_parallel
-from framework.strategies._fsdp import check_direct_parameters, finish_setup, units
+from framework.strategies._fsdp import (
+    check_direct_parameters,
+    finish_setup,
+    process_group_args,
+    units,
+)
 from framework.strategies._portable import PortableResume, load_into_fsdp
 from framework.world import DP_RANK_ENV, DP_SIZE_ENV
 
@@ -31,9 +35,7 @@ class MeshStrategy(PortableResume, ModelParallelStrategy):
         super().__init__(
             data_parallel_size=degrees["dp"] * degrees["fsdp"],
             tensor_parallel_size=degrees["tp"],
-            save_distributed_checkpoint=True,
-            process_group_backend=cfg.backend or ("nccl" if world.is_cuda else "gloo"),
-            timeout=timedelta(seconds=cfg.timeout_s),
+            **process_group_args(cfg, world),
         )
         self.cfg = cfg
         self.degrees = degrees

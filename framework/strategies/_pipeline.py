@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from lightning.pytorch.strategies.strategy import Strategy
 from framework import portable
 from framework.nn import pipeline
 from framework.nn.plan import apply_tensor_parallel
-from framework.strategies._fsdp import finish_setup
+from framework.strategies._fsdp import finish_setup, process_group_args
 from framework.strategies._portable import PortableResume, load_into_fsdp
 from framework.strategies.pipeline import stage_ranks
 from framework.world import DP_RANK_ENV, DP_SIZE_ENV
@@ -51,9 +50,7 @@ class PipelineStrategy(PortableResume, ModelParallelStrategy):
         super().__init__(
             data_parallel_size=degrees["dp"],
             tensor_parallel_size=degrees["tp"],
-            save_distributed_checkpoint=True,
-            process_group_backend=cfg.backend or ("nccl" if world.is_cuda else "gloo"),
-            timeout=timedelta(seconds=cfg.timeout_s),
+            **process_group_args(cfg, world),
         )
         self.cfg = cfg
         self.degrees = degrees
