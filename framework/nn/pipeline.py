@@ -9,9 +9,10 @@ It says so in one of two ways:
 - or being an `nn.Sequential`: each child is a layer.
 
 The task's pipelined model is its first child that is either. A stage is a contiguous run of
-layers: balanced by parameter count (tied parameters counted once), or started at the layers the
-config names (`strategy.split_points`). Every rank builds the whole model from the seed (so initial
-weights are the one-process ones) and then drops the modules of the stages it does not run;
+layers: balanced by parameter count (tied parameters counted once) or by each layer's measured
+forward + backward time (`time_layers`), or started at the layers the config names
+(`strategy.split_points`). Every rank builds the whole model from the seed (so initial weights
+are the one-process ones) and then drops the modules of the stages it does not run;
 parameter names do not change, so checkpoints of any split read back by name.
 """
 
@@ -86,7 +87,38 @@ def costs(task: nn.Module, chain: Sequence[Layer]) -> list[int]:
     return out
 
 
-def balance(weights: Sequence[int], n_stages: int) -> list[int]:
+def time_layers(
+    chain: Sequence[Layer], x: Any, loss: Callable[[Any], Any], repeats: int = 3
+) -> list[float]:
+    """Seconds of forward + backward of each layer on input `x` (median of `repeats`); the last
+    layer's time includes `loss(output)`. Leaves gradients in the parameters."""
+    import time
+
+    import torch
+
+    inputs = []
+    with torch.no_grad():
+        for layer in chain:
+            inputs.append(x)
+            x = layer.run(x)
+    times = []
+    for i, layer in enumerate(chain):
+        runs = []
+        for _ in range(repeats):
+            h = inputs[i]
+            if h.is_floating_point():
+                h = h.detach().requires_grad_()
+            start = time.perf_counter()
+            out = layer.run(h)
+            (loss(out) if i == len(chain) - 1 else out.float().sum()).backward()
+            if out.is_cuda:
+                torch.cuda.synchronize()
+            runs.append(time.perf_counter() - start)
+        times.append(sorted(runs)[repeats // 2])
+    return times
+
+
+def balance(weights: Sequence[float], n_stages: int) -> list[int]:
     """First layer of each of `n_stages` contiguous stages, minimising the heaviest stage.
 
     Exact (dynamic programming over cut positions); ties go to the earliest cuts. Every stage

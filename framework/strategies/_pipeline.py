@@ -12,6 +12,7 @@ norm measures the norm over all stages. Validation runs each stage on the whole 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from framework.strategies.pipeline import stage_ranks
 from framework.world import DP_RANK_ENV, DP_SIZE_ENV
 
 NAMES = ("pp", "dp", "tp")
+log = logging.getLogger("framework.pipeline")
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
@@ -92,7 +94,14 @@ class PipelineStrategy(PortableResume, ModelParallelStrategy):
         if self.cfg.split_points:
             starts = pipeline.starts_at(chain, list(self.cfg.split_points))
         else:
-            starts = pipeline.balance(pipeline.costs(task, chain), self.n_stages)
+            if self.cfg.balance == "time":
+                costs = self.measured_costs(task, chain, trainer)
+            else:
+                costs = pipeline.costs(task, chain)
+            starts = pipeline.balance(costs, self.n_stages)
+        self.starts = starts
+        if self.global_rank == 0:
+            log.info("Pipeline stages (first layers): %s", ", ".join(chain[s].name for s in starts))
         # names of tied parameters, before the other stages' modules are dropped
         first: dict[int, str] = {}
         self.canonical = {
@@ -108,9 +117,6 @@ class PipelineStrategy(PortableResume, ModelParallelStrategy):
         mine = [pipeline.stage_layers(chain, starts, s) for s in self.stage_ids]
         pipeline.keep_only(task, chain, [layer for part in mine for layer in part])
         task.pipeline_stages = list(self.stage_ids)
-        self.stage_layers = {
-            s: [layer.name for layer in part] for s, part in zip(self.stage_ids, mine, strict=True)
-        }
         if self.degrees["tp"] > 1:
             apply_tensor_parallel(
                 task, self.mesh["tp"], {}, sequence_parallel=False, loss_parallel=False
@@ -123,6 +129,23 @@ class PipelineStrategy(PortableResume, ModelParallelStrategy):
         finish_setup(self, trainer)
         self.schedule = self.make_schedule()
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # the norm of all stages
+
+    def measured_costs(self, task, chain, trainer) -> list[float]:
+        """Seconds of forward + backward of each layer on one microbatch of the first training
+        batch (median of 3; the whole model is still here). Rank 0's figures are used
+        everywhere, so all processes cut the same stages; the random state is left untouched."""
+        batch = next(iter(trainer.datamodule.train_dataloader()))
+        x, y = inputs_and_targets(task, batch)
+        rows = max(1, x.shape[0] // self.cfg.microbatches)
+        x, y = x[:rows].to(self.root_device), y[:rows].to(self.root_device)
+        task.to(self.root_device)
+        with torch.random.fork_rng(devices=[]):
+            costs = pipeline.time_layers(chain, x, lambda out: task.loss(out, y))
+        for p in task.parameters():
+            p.grad = None
+        shared = [costs]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
 
     def group_across(self, pp_ranks: list[int]):
         """A process group of these pipeline ranks (same dp and tp coordinates as this one);

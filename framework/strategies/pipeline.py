@@ -12,7 +12,9 @@ forward and backward passes over the stages:
   the bubble (torch's ScheduleInterleavedZeroBubble);
 - `zbv`: zero bubble with two stages per process placed in a V (torch's ScheduleZBVZeroBubble).
 
-The strategy runs the whole step (the schedule does forward and backward); the task's
+Stages are balanced by parameter count or by measured time (`strategy.balance`), or cut at
+`strategy.split_points`. The strategy runs the whole step (the schedule does forward and
+backward); the task's
 `loss(output, target)` is called on the last stage, and `train/loss`, `val/loss` are logged on
 every process. Checkpoints are DCP directories whose optimizer state is keyed per parameter, so
 they load into another split, another pp, or no pipeline at all.
@@ -30,6 +32,7 @@ from framework.world import World
 
 CHECKPOINT_FORMAT = "dcp_flat"
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
+BALANCE = ["params", "time"]
 LOOPED = ("interleaved_1f1b", "zero_bubble")  # several stages per process, placed round-robin
 
 
@@ -50,7 +53,12 @@ class Config:
     split_points: list[str] = doc(
         [],
         "Modules where stages 2, 3, ... begin (e.g. [model.blocks.2]); empty: balanced by "
-        "parameter count.",
+        "`balance`.",
+    )
+    balance: str = doc(
+        "params",
+        "How stages are balanced without split points: params (parameter count) or time "
+        "(each layer's forward + backward timed on one microbatch of the first batch).",
     )
     trace: bool = doc(
         False, "Save a picture of the executed schedule (pipeline_schedule.png in the run dir)."
@@ -77,6 +85,8 @@ def stage_ranks(schedule: str, pp: int, virtual: int) -> list[list[int]]:
 
 def validate(cfg: Config, world: World) -> None:
     pp = degrees(cfg, world.world_size)["pp"]
+    if cfg.balance not in BALANCE:
+        raise ConfigError("strategy.balance", cfg.balance, "not a way to balance stages", BALANCE)
     if cfg.schedule not in SCHEDULES:
         raise ConfigError("strategy.schedule", cfg.schedule, "not a known schedule", SCHEDULES)
     v = cfg.virtual_stages

@@ -62,7 +62,7 @@ def last_metrics(run) -> dict[str, float]:
     ("args", "reference"),
     [
         (["strategy.schedule=gpipe"], "gpt8"),
-        (["strategy.schedule=1f1b", "strategy.trace=true"], "gpt8"),
+        (["strategy.schedule=1f1b", "strategy.trace=true", "strategy.balance=time"], "gpt8"),
         (["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"], "gpt8"),
         (["strategy.schedule=zero_bubble", "strategy.virtual_stages=2"], "gpt8"),
         (["strategy.schedule=zbv", "strategy.virtual_stages=2"], "gpt8"),
@@ -140,6 +140,7 @@ def test_kill_9_then_restart_under_pp2_is_exact(workdir):
         (["strategy.schedule=zero_bubble"], "needs virtual_stages >= 2"),
         (["strategy.schedule=zbv", "strategy.virtual_stages=3"], "needs virtual_stages == 2"),
         (["strategy.schedule=pipedream"], "Valid choices: gpipe, 1f1b"),
+        (["strategy.balance=flops"], "Valid choices: params, time"),
         (["strategy.split_points=[model.blocks.7]"], "is not where a layer of GPTTask begins"),
         (["strategy.split_points=[model.blocks.0,model.ln_f]"], "2 stages need 1 split points"),
         (

@@ -42,6 +42,18 @@ def test_gpt_chain_runs_like_the_model_and_counts_the_tied_weight_once():
     assert torch.equal(out, task(x))
 
 
+def test_measured_layer_times_cover_every_layer_and_leave_the_model_unchanged():
+    task = gpt()
+    chain = pipeline.layers(task)
+    before = {n: p.detach().clone() for n, p in task.named_parameters()}
+    x = torch.randint(0, 256, (2, 16))
+    times = pipeline.time_layers(chain, x, lambda out: task.loss(out, x))
+    assert len(times) == len(chain) and all(t > 0 for t in times)
+    assert all(torch.equal(p, before[n]) for n, p in task.named_parameters())
+    starts = pipeline.balance(times, 3)
+    assert starts[0] == 0 and len(starts) == 3
+
+
 def test_split_points_and_dropping_other_stages_keep_parameter_names():
     task = gpt()
     names = dict(task.named_parameters(remove_duplicate=False))
