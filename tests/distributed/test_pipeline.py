@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from framework.config.compose import compose_config
+from framework.config.validate import validate
+from framework.errors import ConfigError
 from tests.conftest import QUIET, fw, losses, read_metrics
 from tests.distributed.test_resume import kill_then_restart, metric_rows
 
@@ -134,20 +138,9 @@ def test_kill_9_then_restart_under_pp2_is_exact(workdir):
     [
         (["strategy.microbatches=3"], "must divide the batch of each data-parallel rank"),
         (
-            ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=3"],
-            "6 stages (pp x virtual_stages) is more than the 4 layers",
-        ),
-        (["strategy.schedule=zero_bubble"], "needs virtual_stages >= 2"),
-        (["strategy.schedule=zbv", "strategy.virtual_stages=3"], "needs virtual_stages == 2"),
-        (["strategy.schedule=pipedream"], "Valid choices: gpipe, 1f1b"),
-        (["strategy.balance=flops"], "Valid choices: params, time"),
-        (["strategy.split_points=[model.blocks.7]"], "is not where a layer of GPTTask begins"),
-        (["strategy.split_points=[model.blocks.0,model.ln_f]"], "2 stages need 1 split points"),
-        (
             ["task=digits", "task._target_=tests.tasks.PlainDigits", "~task.model.dropout"],
             "defines no loss",
         ),
-        (["strategy.pp=3"], "the degrees multiply to 3, but the job has 2"),
     ],
 )
 def test_invalid_pipelines_are_refused_before_launch(args, message, workdir):
@@ -159,3 +152,27 @@ def test_invalid_pipelines_are_refused_before_launch(args, message, workdir):
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert not (workdir / "run").exists(), "nothing written for a refused job"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=3"],
+            "6 stages (pp x virtual_stages) is more than the 4 layers",
+        ),
+        (["strategy.schedule=zero_bubble"], "needs virtual_stages >= 2"),
+        (["strategy.schedule=zbv", "strategy.virtual_stages=3"], "needs virtual_stages == 2"),
+        (["strategy.schedule=pipedream"], "Valid choices: gpipe, 1f1b"),
+        (["strategy.balance=flops"], "Valid choices: params, time"),
+        (["strategy.split_points=[model.blocks.7]"], "is not where a layer of GPTTask begins"),
+        (["strategy.split_points=[model.blocks.0,model.ln_f]"], "2 stages need 1 split points"),
+        (["strategy.pp=3"], "the degrees multiply to 3, but the job has 2"),
+    ],
+)
+def test_invalid_splits_and_schedules_are_config_errors(args, message):
+    cfg = compose_config(["strategy=pipeline", "trainer.devices=2", "experiment=gpt_tiny", *args])
+    OmegaConf.resolve(cfg)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert message in str(err.value)

@@ -92,7 +92,7 @@ def kill_then_restart(args: list[str], run: Path, kill_step: int, workdir: Path)
     return again.stderr
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_kill_9_at_a_random_step_then_restart_is_exact(seed, reference, workdir):
     kill_step = random.Random(seed).randint(3, STEPS - 5)
     err = kill_then_restart(SLOW, workdir / "run", kill_step, workdir)
