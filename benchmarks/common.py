@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +71,24 @@ def train_command(run_dir: str, steps: int, devices: int, *args: str) -> list[st
         "logger=[csv]",
         f"run.dir={run_dir}",
     ]
+
+
+def step_timer_args(out_dir: str) -> list[str]:
+    """`fw train` overrides adding the StepTimer callback, which writes to `out_dir`."""
+    return [
+        "+callbacks.timer._target_=benchmarks.step_timer.StepTimer",
+        f"+callbacks.timer.path={out_dir}/times-RANK.json",
+    ]
+
+
+def step_durations(out_dir: str) -> list[float]:
+    """Rank 0's duration of every training step (seconds), as the StepTimer recorded them."""
+    times = json.loads((Path(out_dir) / "times-0.json").read_text())
+    return [end - start for start, end in zip(times["starts"], times["ends"], strict=True)]
+
+
+def run_checked(command: list[str], what: object) -> None:
+    """Run a benchmark's command from the repository root; RuntimeError with its stderr tail."""
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")

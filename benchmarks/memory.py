@@ -16,12 +16,11 @@ Run from the repository root: `python -m benchmarks.memory` (or `make bench`).
 from __future__ import annotations
 
 import json
-import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import FW, ROOT, load_average, save_results
+from benchmarks.common import FW, load_average, run_checked, save_results
 
 MODEL = [
     "task=gpt",
@@ -72,9 +71,7 @@ def measure(strategy: str, n: int) -> list[dict]:
             f"+callbacks.memory.out={tmp}",
             f"run.dir={tmp}/run",
         ]
-        done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{strategy} N={n} failed:\n{done.stderr[-3000:]}")
+        run_checked(args, f"{strategy} N={n}")
         return [json.loads((Path(tmp) / f"memory-rank{r}.json").read_text()) for r in range(n)]
 
 

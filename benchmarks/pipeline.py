@@ -19,14 +19,20 @@ benchmarks/results/pipeline.json and, for docs/, the executed schedules as PNGs.
 from __future__ import annotations
 
 import csv
-import json
 import shutil
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, load_average, save_results, train_command
+from benchmarks.common import (
+    ROOT,
+    load_average,
+    run_checked,
+    save_results,
+    step_durations,
+    step_timer_args,
+    train_command,
+)
 from benchmarks.memory import MODEL
 
 P = 2
@@ -41,10 +47,7 @@ IMG = ROOT / "docs" / "img"
 
 
 def run(args: list[str], steps: int, tmp: str) -> Path:
-    command = train_command(f"{tmp}/run", steps, P, *args)
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{args} failed:\n{done.stderr[-3000:]}")
+    run_checked(train_command(f"{tmp}/run", steps, P, *args), args)
     return Path(tmp) / "run"
 
 
@@ -84,20 +87,8 @@ def bubble(schedule: str, m: int) -> float:
 
 def step_time(args: list[str]) -> float:
     with tempfile.TemporaryDirectory(prefix="fw-bench-pipeline-") as tmp:
-        run(
-            [
-                *MODEL,
-                "task.data.batch_size=8",
-                *args,
-                "+callbacks.timer._target_=benchmarks.step_timer.StepTimer",
-                f"+callbacks.timer.path={tmp}/times-RANK.json",
-            ],
-            30,
-            tmp,
-        )
-        times = json.loads((Path(tmp) / "times-0.json").read_text())
-    steps = [e - s for s, e in zip(times["starts"], times["ends"], strict=True)]
-    return statistics.median(steps[10:])
+        run([*MODEL, "task.data.batch_size=8", *args, *step_timer_args(tmp)], 30, tmp)
+        return statistics.median(step_durations(tmp)[10:])
 
 
 def main() -> None:

@@ -11,13 +11,17 @@ Run from the repository root: `python -m benchmarks.strategies` (part of `make b
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import tempfile
-from pathlib import Path
 
-from benchmarks.common import ROOT, load_average, save_results, train_command
+from benchmarks.common import (
+    load_average,
+    run_checked,
+    save_results,
+    step_durations,
+    step_timer_args,
+    train_command,
+)
 from benchmarks.memory import MODEL
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -34,14 +38,10 @@ def step_times(strategy: str) -> list[float]:
             PROCESSES,
             *MODEL,
             f"strategy={strategy}",
-            "+callbacks.timer._target_=benchmarks.step_timer.StepTimer",
-            f"+callbacks.timer.path={tmp}/times-RANK.json",
+            *step_timer_args(tmp),
         )
-        done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{strategy} failed:\n{done.stderr[-3000:]}")
-        times = json.loads((Path(tmp) / "times-0.json").read_text())
-    return [end - start for start, end in zip(times["starts"], times["ends"], strict=True)]
+        run_checked(args, strategy)
+        return step_durations(tmp)
 
 
 def main() -> None:

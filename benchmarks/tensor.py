@@ -21,11 +21,17 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, load_average, save_results, train_command
+from benchmarks.common import (
+    load_average,
+    run_checked,
+    save_results,
+    step_durations,
+    step_timer_args,
+    train_command,
+)
 
 LAYERS, WIDTH, HEADS, SEQ, GLOBAL_BATCH = 4, 256, 4, 256, 8
 MODEL = [
@@ -57,18 +63,14 @@ def run(args: list[str], processes: int, dp: int) -> tuple[list[float], dict]:
             *MODEL,
             *args,
             f"task.data.batch_size={GLOBAL_BATCH // dp}",
-            "+callbacks.timer._target_=benchmarks.step_timer.StepTimer",
-            f"+callbacks.timer.path={tmp}/times-RANK.json",
+            *step_timer_args(tmp),
             "+callbacks.probe._target_=benchmarks.tp_probe.TPProbe",
             f"+callbacks.probe.out={tmp}",
             f"+callbacks.probe.count={'strategy=ddp' not in args}",
         )
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{args} failed:\n{done.stderr[-3000:]}")
-        times = json.loads((Path(tmp) / "times-0.json").read_text())
+        run_checked(command, args)
+        steps = step_durations(tmp)
         probe = json.loads((Path(tmp) / "tp-probe.json").read_text())
-    steps = [e - s for s, e in zip(times["starts"], times["ends"], strict=True)]
     return steps[WARMUP:], probe
 
 

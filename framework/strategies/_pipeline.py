@@ -215,7 +215,8 @@ class PipelineStrategy(PortableResume, ModelParallelStrategy):
             p.grad = None
         self.losses = self.losses[-self.cfg.microbatches :]  # the first step also infers shapes
         loss = self.shared_loss()
-        self.log_timeline(task, trace=tracing)
+        if tracing or trainer._logger_connector.should_update_logs:  # a gather: not every step
+            self.log_timeline(task, trace=tracing)
         task.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from framework.config.fields import doc
 from framework.errors import ConfigError
-from framework.nn.plan import STYLES
 from framework.world import World
 
 CHECKPOINT_FORMAT = "dcp"
@@ -102,6 +101,8 @@ def fit_degrees(values: dict[str, int], world_size: int) -> dict[str, int]:
 
 
 def validate(cfg: Config, world: World) -> None:
+    from framework.nn.plan import STYLES  # here, not at import: framework.nn imports torch
+
     degrees(cfg, world.world_size)
     for entry in cfg.tp_plan:
         name, _, style = str(entry).rpartition(":")
