@@ -21,8 +21,11 @@ log = logging.getLogger("framework.nn")
 
 
 def list_members(task: nn.Module) -> list[nn.Module]:
-    """Every member of every `nn.ModuleList` in the task: a transformer's layers."""
-    return [m for lst in task.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    """Every member of every `nn.ModuleList` in the task: a transformer's layers (not the ones a
+    pipeline stage dropped, which are None)."""
+    return [
+        m for lst in task.modules() if isinstance(lst, nn.ModuleList) for m in lst if m is not None
+    ]
 
 
 def blocks(task: nn.Module) -> list[nn.Module]:

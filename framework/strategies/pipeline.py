@@ -132,6 +132,18 @@ def validate_job(cfg: Config, job: Any, world: World) -> None:
 
     found = degrees(cfg, world.world_size)
     n_stages = found["pp"] * cfg.virtual_stages
+    if (
+        cfg.schedule in ("zero_bubble", "zbv")
+        and job.trainer.activation_checkpointing == "selective"
+    ):
+        raise ConfigError(
+            "trainer.activation_checkpointing",
+            "selective",
+            f"schedule {cfg.schedule} runs each backward in two passes (input, then weight "
+            "gradients), and torch's selective checkpointing allows only one",
+            ["full", "none"],
+            hint="Use full, or another schedule.",
+        )
     batch = job.task.get("data", {}).get("batch_size")
     if isinstance(batch, int) and batch % cfg.microbatches:
         raise ConfigError(

@@ -65,10 +65,17 @@ def last_metrics(run) -> dict[str, float]:
 @pytest.mark.parametrize(
     ("args", "reference"),
     [
-        (["strategy.schedule=gpipe"], "gpt8"),
+        (["strategy.schedule=gpipe", "trainer.activation_checkpointing=selective"], "gpt8"),
         (["strategy.schedule=1f1b", "strategy.trace=true", "strategy.balance=time"], "gpt8"),
         (["strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"], "gpt8"),
-        (["strategy.schedule=zero_bubble", "strategy.virtual_stages=2"], "gpt8"),
+        (
+            [
+                "strategy.schedule=zero_bubble",
+                "strategy.virtual_stages=2",
+                "trainer.activation_checkpointing=full",
+            ],
+            "gpt8",
+        ),
         (["strategy.schedule=zbv", "strategy.virtual_stages=2"], "gpt8"),
         (["strategy.pp=2", "strategy.dp=2", "trainer.devices=4"], "gpt16"),
         (["strategy.pp=2", "strategy.tp=2", "trainer.devices=4"], "gpt8"),
@@ -165,6 +172,14 @@ def test_invalid_pipelines_are_refused_before_launch(args, message, workdir):
         (["strategy.schedule=zbv", "strategy.virtual_stages=3"], "needs virtual_stages == 2"),
         (["strategy.schedule=pipedream"], "Valid choices: gpipe, 1f1b"),
         (["strategy.balance=flops"], "Valid choices: params, time"),
+        (
+            [
+                "strategy.schedule=zbv",
+                "strategy.virtual_stages=2",
+                "trainer.activation_checkpointing=selective",
+            ],
+            "torch's selective checkpointing allows only one",
+        ),
         (["strategy.split_points=[model.blocks.7]"], "is not where a layer of GPTTask begins"),
         (["strategy.split_points=[model.blocks.0,model.ln_f]"], "2 stages need 1 split points"),
         (["strategy.pp=3"], "the degrees multiply to 3, but the job has 2"),
