@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from framework.errors import ConfigError
+from framework.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
 
 USAGE = """\
 usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per swept value)
@@ -24,10 +24,6 @@ Examples:
   fw train -m seed=1,2 trainer.devices=2
   fw config task=gpt
 """
-
-EXIT_CONFIG = 2
-EXIT_FAILED = 1
-EXIT_PREEMPTED = 75  # stopped on SIGTERM/SIGUSR1 with a checkpoint: requeue the same command
 
 
 def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:

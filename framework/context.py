@@ -29,6 +29,8 @@ class RunContext:
     world: World
     resume_from: Path | None = None
     resume_step: int = 0
+    data_parallel: tuple[int, int] = (0, 1)  # (rank, size) among ranks reading different data
+    checkpoint_format: str = "lightning"  # the layout the strategy's checkpoints are written in
 
     @property
     def config_hash(self) -> str:
@@ -84,7 +86,12 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
 def _preset(config: dict[str, Any]) -> str:
     strategy = config.get("strategy") or {}
     kind = strategy.get("kind", "<absent>")
-    return f"zero{strategy['stage']}" if kind == "deepspeed" and "stage" in strategy else str(kind)
+    if kind == "deepspeed" and "stage" in strategy:
+        return f"zero{strategy['stage']}"
+    if kind == "parallel":
+        degrees = [f"{k}={strategy[k]}" for k in ("pp", "dp", "fsdp", "tp", "ep") if strategy.get(k, 1) != 1]
+        return f"parallel({', '.join(degrees)})"
+    return str(kind)
 
 
 def load_run_state(run_dir: Path) -> dict[str, Any]:

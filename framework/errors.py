@@ -6,6 +6,10 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
+EXIT_FAILED = 1  # a worker failed
+EXIT_CONFIG = 2  # a configuration or usage error (ConfigError)
+EXIT_PREEMPTED = 75  # stopped on SIGTERM/SIGUSR1 after a checkpoint (EX_TEMPFAIL): run it again
+
 
 class ConfigError(Exception):
     """A configuration or usage error: printed as one paragraph by the CLI, exit code 2."""

@@ -1,20 +1,33 @@
-"""Finding plugins: a config node's `kind` names a module; the module provides the behaviour.
+"""The plugin contract, written down once, and how plugins are found.
 
-A strategy, logger, callback or launcher plugin is one module with:
-  - `Config`: the dataclass schema of its config node (registered in Hydra's ConfigStore),
-  - `validate(cfg, world)`: optional checks run in the `fw` process before any worker starts,
-  - `build(cfg, ...)`: the object it contributes, built inside each worker.
-A `kind` without a dot is looked up in the package of that plugin family (e.g. `ddp` is
-`framework.strategies.ddp`); a dotted `kind` is imported as is, so plugins can live outside.
+A strategy, logger, callback or launcher plugin is one module (or package) chosen by the `kind`
+of its config node. A `kind` without a dot is looked up in the package of that plugin family
+(`strategy.kind=ddp` is `framework.strategies.ddp`); a dotted `kind` is imported as is, so plugins
+can live outside the framework. The module provides every name of its family's protocol below;
+the runner (in the `fw` process, before anything is written or started) and the worker (in each
+training process) call them directly, with everything they need passed in as arguments.
+
+Each hook receives its own config node as an instance of the module's `Config` dataclass
+(`typed_config`), in the `fw` process and in the workers alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
+from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from framework.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from framework.context import RunContext
+    from framework.strategy_base import StrategyInputs
+    from framework.world import World
 
 FAMILIES = {
     "strategy": "framework.strategies",
@@ -22,6 +35,99 @@ FAMILIES = {
     "callbacks": "framework.callbacks",
     "launcher": "framework.launchers",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """The parts of a job's config a strategy may check its own settings against."""
+
+    task: Any  # the `task` node: _target_, model, data, optimizer, scheduler
+    trainer: Any  # the `trainer` node
+
+
+class StrategyPlugin(Protocol):
+    """A strategy plugin module: how the work is spread over processes.
+
+    Called in this order: `validate`, `checkpoint_format`, `check_move` (when the resume
+    checkpoint was written by another layout) in the `fw` process; `data_parallel`,
+    `checkpoint_format` and `build` in every worker.
+    """
+
+    Config: type  # the dataclass schema of `strategy.*`, registered as schema/strategy/<kind>
+
+    def validate(self, cfg: Any, world: World, job: JobView) -> None:
+        """Raise ConfigError for any setting that cannot work for this process layout, task or
+        trainer. Runs in the `fw` process before anything is written or started."""
+
+    def checkpoint_format(self, cfg: Any, world: World) -> str:
+        """The layout of the checkpoints this strategy writes (recorded in meta.json as
+        "format"): `lightning`, `deepspeed`, `dcp`, `dcp_flat`, or a new one that
+        framework/portable.py and framework/export.py read."""
+
+    def check_move(self, cfg: Any, source: str) -> None:
+        """Raise ConfigError when this strategy cannot take in a checkpoint written by another
+        layout or process count (`source` describes it); do nothing when it can."""
+
+    def data_parallel(self, cfg: Any, world: World) -> tuple[int, int]:
+        """(rank, size) of this process among the ranks that read different data: (world.rank,
+        world.world_size) when every process reads its own batch."""
+
+    def build(self, cfg: Any, world: World, inputs: StrategyInputs) -> Any:
+        """The lightning.pytorch Strategy for this worker. Built strategies mix in
+        `framework.strategy_base.StrategyBase` (inputs, moves from other layouts, samplers)
+        and apply `inputs.transforms` to the task's blocks before data-parallel wrapping."""
+
+
+class LoggerPlugin(Protocol):
+    """A logger plugin module (`logger.<name>.kind`)."""
+
+    Config: type
+
+    def validate(self, cfg: Any, world: World) -> None:
+        """Raise ConfigError for a setting that cannot work. Runs in the `fw` process."""
+
+    def build(self, cfg: Any, ctx: RunContext) -> Any:
+        """A lightning Logger, or None to log nothing (e.g. disabled). Runs in every worker."""
+
+
+class CallbackPlugin(Protocol):
+    """A callback plugin module (`callbacks.<name>.kind`)."""
+
+    Config: type
+
+    def validate(self, cfg: Any, world: World) -> None:
+        """Raise ConfigError for a setting that cannot work. Runs in the `fw` process."""
+
+    def build(self, cfg: Any, ctx: RunContext) -> Any:
+        """A lightning Callback. Runs in every worker."""
+
+
+class LauncherPlugin(Protocol):
+    """A launcher plugin module (`launcher.kind`): starts the workers of one job."""
+
+    Config: type
+
+    def validate(self, cfg: Any, world: World) -> None:
+        """Raise ConfigError for a setting that cannot work. Runs in the `fw` process."""
+
+    def build(self, cfg: Any, world: World) -> Callable[[Path, Path | None], None]:
+        """A function `launch(config_path, resume_from)` that runs the job's workers (each runs
+        `framework.worker`) and returns when they are done. Runs in the `fw` process."""
+
+
+PROTOCOLS: dict[str, type] = {
+    "strategy": StrategyPlugin,
+    "logger": LoggerPlugin,
+    "callbacks": CallbackPlugin,
+    "launcher": LauncherPlugin,
+}
+
+
+def required_names(family: str) -> list[str]:
+    """The names a plugin module of `family` must define."""
+    protocol = PROTOCOLS[family]
+    hooks = [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    return [*protocol.__annotations__, *hooks]
 
 
 def builtin_kinds(family: str) -> list[str]:
@@ -43,8 +149,35 @@ def load_plugin(family: str, kind: str, key: str) -> ModuleType:
                 key, kind, f"no {family} plugin of that kind", builtin_kinds(family)
             ) from None
         raise
-    if not hasattr(module, "build"):
+    missing = [n for n in required_names(family) if not hasattr(module, n)]
+    if missing:
         raise ConfigError(
-            key, kind, f"module {name} has no build() function", builtin_kinds(family)
+            key,
+            kind,
+            f"module {name} is not a {family} plugin: it lacks {', '.join(missing)}",
+            hint="See docs/strategies.md, 'Adding a strategy plugin', for what a plugin defines.",
         )
     return module
+
+
+def typed_config(module: ModuleType, node: Any, key: str = "") -> Any:
+    """A plugin's config node as an instance of its `Config` dataclass, or a ConfigError naming
+    the key (`key` is the node's place, e.g. `strategy`) when a field is unknown or mistyped.
+
+    Built-in plugins' nodes are typed at compose time already; an out-of-tree plugin's schema
+    is not registered with Hydra, so this is where its fields are checked."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return node
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(module.Config), node))
+    except OmegaConfBaseException as err:
+        field = getattr(err, "full_key", "") or ""
+        where = ".".join(p for p in (key, field) if p) or key or "config"
+        value = OmegaConf.select(node, field) if field else None
+        if "not in" in str(err) or "Key '" in str(err):
+            names = [f.name for f in dataclasses.fields(module.Config)]
+            raise ConfigError(where, value, "no such key", names, near=field) from None
+        raise ConfigError(where, value, str(err).splitlines()[0].rstrip(".")) from None

@@ -9,7 +9,8 @@ same full, unsharded state keyed by parameter name, with the partition padding r
   and `groups` (the hyperparameters of each param group and the names of its parameters);
 - `rest`: everything else in the Lightning checkpoint (loops, callbacks, LR schedulers, epoch).
 
-The strategy resuming the run loads that into its own sharding (`strategies/_portable.py`).
+The strategy resuming the run loads that into its own sharding (its `load_portable`, reached
+through `framework.strategy_base.StrategyBase`).
 Every process reads the whole checkpoint once, in CPU memory.
 """
 
@@ -248,3 +249,21 @@ def group_of(portable_groups: list[dict[str, Any]], names: list[str]) -> dict[st
         if set(names) & set(group["params"]):
             return {k: v for k, v in group.items() if k != "params"}
     raise NotPortable(f"no saved param group holds {names[:3]}")
+
+
+def indexed_state(optimizer, saved: dict[str, Any], names: dict[int, str]) -> dict[str, Any]:
+    """A name-keyed optimizer state in the positional form `optimizer.load_state_dict` takes."""
+    state, groups, index = {}, [], 0
+    for group in optimizer.param_groups:
+        group_names = [names[id(p)] for p in group["params"]]
+        ids = list(range(index, index + len(group_names)))
+        groups.append({**group_of(saved["groups"], group_names), "params": ids})
+        state.update(
+            {
+                i: saved["state"][n]
+                for i, n in zip(ids, group_names, strict=True)
+                if n in saved["state"]
+            }
+        )
+        index += len(ids)
+    return {"state": state, "param_groups": groups}

@@ -23,8 +23,8 @@ from framework import checkpointing, resume
 from framework.config.compose import compose_config, expand_sweeps
 from framework.config.validate import validate
 from framework.context import flatten, load_run_state, redact
-from framework.errors import ConfigError
-from framework.plugins import load_plugin
+from framework.errors import EXIT_PREEMPTED, ConfigError
+from framework.plugins import load_plugin, typed_config
 from framework.worker import SECRETS_ENV
 from framework.world import World, global_rank
 
@@ -79,15 +79,14 @@ def plan(
         check_run_dir(job.run_dir)
         config = redact(OmegaConf.to_container(job.cfg))
         plugin = load_plugin("strategy", job.cfg.strategy.kind, "strategy.kind")
-        ckpt_format = getattr(plugin, "CHECKPOINT_FORMAT", "lightning")
-        check_move = getattr(plugin, "check_move", None)
+        strategy_cfg = typed_config(plugin, job.cfg.strategy)
         job.resume_from = resume.choose(
             job.cfg.resume,
             job.run_dir,
             config,
-            ckpt_format,
+            plugin.checkpoint_format(strategy_cfg, job.world),
             job.world.world_size,
-            functools.partial(check_move, job.cfg.strategy) if check_move else None,
+            functools.partial(plugin.check_move, strategy_cfg),
         )
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):
@@ -193,9 +192,8 @@ def run_job(job: Job) -> None:
         cfg = job.cfg if external else OmegaConf.load(config_path)
         worker.run(cfg, job.run_dir, job.resume_from)
         return
-    launch = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind").build(
-        job.cfg.launcher, job.world
-    )
+    launcher = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind")
+    launch = launcher.build(typed_config(launcher, job.cfg.launcher), job.world)
     launch(config_path, job.resume_from)
 
 
@@ -211,7 +209,7 @@ def train(
         try:
             run_job(job)
         except Exception as err:
-            if not multirun or getattr(err, "exit_code", None) == 75:
+            if not multirun or getattr(err, "exit_code", None) == EXIT_PREEMPTED:
                 raise  # a preempted sweep stops here; rerunning it resumes every job
             log.error("Job %d (%s) failed: %s", number, job.run_dir, err)
             failed.append(err)

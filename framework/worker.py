@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.context import RunContext, load_run_state, redact
 from framework.logs import quiet_lightning, setup_logging
-from framework.plugins import load_plugin
+from framework.plugins import load_plugin, typed_config
+from framework.strategy_base import StrategyInputs
 from framework.world import World
 
 log = logging.getLogger("framework.worker")
@@ -47,8 +48,12 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
 
     quiet_lightning()
     cfg = with_secrets(cfg)
-    ctx = make_context(cfg, run_dir, resume_from)
-    world = ctx.world
+    world = World.current(cfg.trainer)
+    plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
+    strategy_cfg = typed_config(plugin, cfg.strategy)
+    ckpt_format = plugin.checkpoint_format(strategy_cfg, world)
+    data_parallel = tuple(plugin.data_parallel(strategy_cfg, world))
+    ctx = make_context(cfg, run_dir, resume_from, world, data_parallel, ckpt_format)
     # Read at import time by Lightning; a forked worker inherited the launcher's value (0).
     from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -57,23 +62,19 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = build_task(cfg.task)
     data = instantiate_args(cfg.task.data)
-    strategy = load_plugin("strategy", cfg.strategy.kind, "strategy.kind").build(
-        cfg.strategy, world
+    saved = checkpointing.read_meta(resume_from) if resume_from else {}
+    moved = resume_from is not None and needs_move(saved, ckpt_format, world.world_size)
+    inputs = StrategyInputs(
+        transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
+        data_parallel=data_parallel,
+        move_from=resume_from if moved else None,  # written by another layout or world size
     )
-    loggers = [
-        load_plugin("logger", e.kind, f"logger.{n}").build(e, ctx)
-        for n, e in (cfg.logger or {}).items()
-        if e is not None
-    ]
+    strategy = plugin.build(strategy_cfg, world, inputs)
+    loggers = [build_plugin("logger", n, e, ctx) for n, e in (cfg.logger or {}).items() if e is not None]
     loggers = [lg for lg in loggers if lg is not None]  # a plugin may decline (e.g. disabled)
     callbacks = [
         build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]
-    transforms = ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile)
-    if hasattr(strategy, "model_transforms"):
-        strategy.model_transforms = transforms  # applied after tensor parallelism, before FSDP
-    else:
-        transforms.apply(task)  # before the strategy wraps or shards the model
     trainer_args = {
         k: v
         for k, v in OmegaConf.to_container(cfg.trainer).items()
@@ -96,11 +97,6 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
         **trainer_args,
     )
     ckpt_path = str(resume_from / STATE_FILE) if resume_from else None
-    saved = checkpointing.read_meta(resume_from) if resume_from else {}
-    if resume_from and needs_move(
-        saved, getattr(strategy, "checkpoint_format", "lightning"), world.world_size
-    ):
-        strategy.portable_from = resume_from  # written by another strategy or process count
     if resume_from and trainer.is_global_zero:
         log.info("Resuming from %s (step %d)", resume_from, ctx.resume_step)
     trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
@@ -113,7 +109,14 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     return trainer
 
 
-def make_context(cfg: DictConfig, run_dir: Path, resume_from: Path | None) -> RunContext:
+def make_context(
+    cfg: DictConfig,
+    run_dir: Path,
+    resume_from: Path | None,
+    world: World,
+    data_parallel: tuple[int, int],
+    checkpoint_format: str,
+) -> RunContext:
     from framework import checkpointing
 
     state = load_run_state(run_dir)
@@ -124,9 +127,11 @@ def make_context(cfg: DictConfig, run_dir: Path, resume_from: Path | None) -> Ru
         run_id=state.get("run_id", "local"),
         group=state.get("group"),
         config=redact(OmegaConf.to_container(cfg, resolve=True)),
-        world=World.current(cfg.trainer),
+        world=world,
         resume_from=resume_from,
         resume_step=step,
+        data_parallel=data_parallel,
+        checkpoint_format=checkpoint_format,
     )
 
 
@@ -181,7 +186,13 @@ def build_task(task_cfg: DictConfig) -> Any:
 def build_callback(name: str, entry: DictConfig, ctx: RunContext) -> Any:
     if "_target_" in entry:
         return instantiate_args(entry)
-    return load_plugin("callbacks", entry.kind, f"callbacks.{name}.kind").build(entry, ctx)
+    return build_plugin("callbacks", name, entry, ctx)
+
+
+def build_plugin(family: str, name: str, entry: DictConfig, ctx: RunContext) -> Any:
+    """A logger or callback plugin's object, built from its typed config."""
+    plugin = load_plugin(family, entry.kind, f"{family}.{name}.kind")
+    return plugin.build(typed_config(plugin, entry), ctx)
 
 
 def die_with_parent() -> None:

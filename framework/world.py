@@ -67,18 +67,3 @@ def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-DP_RANK_ENV = "FW_DATA_PARALLEL_RANK"  # set by strategies whose data-parallel group is not all
-DP_SIZE_ENV = "FW_DATA_PARALLEL_SIZE"  # processes (tensor parallel: its ranks share the data)
-
-
-def data_parallel() -> tuple[int, int]:
-    """(rank, size) of this process among those that read different data."""
-    if DP_SIZE_ENV in os.environ:
-        return int(os.environ[DP_RANK_ENV]), int(os.environ[DP_SIZE_ENV])
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from framework import checkpointing, rng
 from framework.data.sampler import GlobalOrderSampler
+from framework.errors import EXIT_PREEMPTED
 from framework.portable import NAMES_KEY
-from framework.world import data_parallel
 
 log = logging.getLogger("framework.checkpoint")
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -25,7 +25,7 @@ STATE_FILE = "state.ckpt"
 class Preempted(Exception):
     """Training stopped on SIGTERM/SIGUSR1 after saving a checkpoint; rerun to continue."""
 
-    exit_code = 75  # EX_TEMPFAIL: try again later
+    exit_code = EXIT_PREEMPTED
 
     def __init__(self, step: int) -> None:
         super().__init__(
@@ -113,7 +113,7 @@ class Checkpointer(pl.Callback):
     ) -> None:
         loader = trainer.train_dataloader
         per_rank = getattr(loader, "batch_size", None) or 0
-        self.cursor += per_rank * data_parallel()[1]
+        self.cursor += per_rank * self.ctx.data_parallel[1]
         step = trainer.global_step
         preempt = self.cfg.on_preemption and self._vote.agreed(
             self.signal_received is not None, trainer.strategy.root_device
@@ -182,7 +182,7 @@ class Checkpointer(pl.Callback):
                 "world_size": trainer.world_size,
                 "metrics": metrics,
                 "time": time.time(),
-                "format": getattr(trainer.strategy, "checkpoint_format", "lightning"),
+                "format": self.ctx.checkpoint_format,
                 "state": STATE_FILE,
                 "parameter_names": self.names_recorded,
             }

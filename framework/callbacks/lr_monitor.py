@@ -15,6 +15,10 @@ class Config:
     logging_interval: str = doc("step", "Log at every step or every epoch.", ("step", "epoch"))
 
 
+def validate(cfg: Config, world) -> None:
+    """Nothing to check before launch."""
+
+
 def build(cfg: Config, ctx):
     from lightning.pytorch.callbacks import LearningRateMonitor
 

@@ -26,6 +26,8 @@ def build(cfg: Config, ctx):
 
     import lightning.pytorch as pl
 
+    data_ranks = ctx.data_parallel[1]
+
     class Throughput(pl.Callback):
         """Wall-clock speed of training steps, on rank 0 (validation time excluded)."""
 
@@ -41,7 +43,7 @@ def build(cfg: Config, ctx):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.steps += 1
             per_rank = getattr(trainer.train_dataloader, "batch_size", None) or 0
-            self.samples += per_rank * trainer.world_size
+            self.samples += per_rank * data_ranks  # tensor/pipeline ranks share their batch
             if self.steps >= cfg.window and self.start is not None:
                 seconds = time.perf_counter() - self.start
                 pl_module.log("perf/steps_per_sec", self.steps / seconds, rank_zero_only=True)

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.config.fields import field_choices
 from framework.errors import ConfigError
-from framework.plugins import load_plugin
+from framework.plugins import JobView, load_plugin, typed_config
 from framework.world import World, cuda_device_count
 
 NAMED_FAMILIES = ("logger", "callbacks")  # groups whose entries are `name: {kind or _target_}`
@@ -28,13 +28,11 @@ def validate(cfg: DictConfig) -> World:
     check_choices(cfg, "")
     world = check_world(cfg)
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
-    if hasattr(plugin, "validate"):
-        plugin.validate(cfg.strategy, world)
-    if hasattr(plugin, "validate_job"):  # e.g. model shapes the strategy needs divisible by tp
-        plugin.validate_job(cfg.strategy, cfg, world)
+    plugin.validate(
+        typed_config(plugin, cfg.strategy, "strategy"), world, JobView(cfg.task, cfg.trainer)
+    )
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
-    if hasattr(launcher, "validate"):
-        launcher.validate(cfg.launcher, world)
+    launcher.validate(typed_config(launcher, cfg.launcher, "launcher"), world)
     for family in NAMED_FAMILIES:
         for name, entry in (cfg.get(family) or {}).items():
             check_named_entry(family, name, entry, world)
@@ -109,8 +107,7 @@ def check_named_entry(family: str, name: str, entry: Any, world: World) -> None:
         import_target(f"{key}._target_", entry._target_)
         return
     plugin = load_plugin(family, entry.kind, f"{key}.kind")
-    if hasattr(plugin, "validate"):
-        plugin.validate(entry, world)
+    plugin.validate(typed_config(plugin, entry, key), world)
 
 
 def import_target(key: str, path: str) -> Any:

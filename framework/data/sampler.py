@@ -14,11 +14,14 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DistributedSampler
 
-from framework.world import data_parallel
-
 
 class GlobalOrderSampler(DistributedSampler):
-    """Shards one seeded global order over ranks; a DistributedSampler so Lightning keeps it."""
+    """Shards one seeded global order over ranks; a DistributedSampler so Lightning keeps it.
+
+    Without explicit `num_replicas`/`rank` the sampler is bound by the framework's strategies to
+    the data-parallel coordinates (`bind`; tensor-parallel ranks of one group share the data);
+    unbound, it uses the torch.distributed world (or one process).
+    """
 
     def __init__(
         self,
@@ -30,9 +33,9 @@ class GlobalOrderSampler(DistributedSampler):
         rank: int | None = None,
     ) -> None:
         # DistributedSampler.__init__ needs a dataset; only the attributes matter here.
-        dp_rank, dp_size = data_parallel()  # tensor-parallel ranks of one group share the data
-        self.num_replicas = num_replicas if num_replicas is not None else dp_size
-        self.rank = rank if rank is not None else dp_rank
+        self._replicas = num_replicas
+        self._rank = rank
+        self.explicit = num_replicas is not None or rank is not None
         self.total = num_samples
         self.shuffle = shuffle
         self.seed = seed
@@ -40,6 +43,22 @@ class GlobalOrderSampler(DistributedSampler):
         self.epoch = 0
         self.resume_epoch = -1
         self.resume_start = 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self._replicas if self._replicas is not None else _world()[1]
+
+    @num_replicas.setter
+    def num_replicas(self, value: int) -> None:
+        self._replicas = value
+
+    @property
+    def rank(self) -> int:
+        return self._rank if self._rank is not None else _world()[0]
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._rank = value
 
     def global_order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -69,3 +88,20 @@ class GlobalOrderSampler(DistributedSampler):
         """Skip the first `start` samples of `epoch`'s global order (already trained on)."""
         self.resume_epoch = epoch
         self.resume_start = start
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def bind(loader, rank: int, size: int) -> None:
+    """Give the loader's GlobalOrderSampler (unless built with explicit coordinates) this rank's
+    data-parallel coordinates: `size` ranks read different data, this one is `rank`."""
+    samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    for sampler in samplers:
+        if isinstance(sampler, GlobalOrderSampler) and not sampler.explicit:
+            sampler.num_replicas, sampler.rank = size, rank

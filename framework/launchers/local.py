@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from framework.config.fields import doc
-from framework.errors import ConfigError
+from framework.errors import EXIT_PREEMPTED, ConfigError
 from framework.world import World
 
 __all__ = ["Config", "WorkerFailure", "WorkersPreempted", "build", "validate"]
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-PREEMPTED_EXIT = 75
 
 
 @dataclass
@@ -55,7 +54,7 @@ class WorkerFailure(RuntimeError):
 class WorkersPreempted(RuntimeError):
     """The workers stopped on SIGTERM/SIGUSR1 after saving a checkpoint."""
 
-    exit_code = 75
+    exit_code = EXIT_PREEMPTED
 
 
 def validate(cfg: Config, world: World) -> None:
@@ -147,7 +146,7 @@ def start_workers(cfg: Config, world: World, method: str, entrypoint, args: tupl
         elastic_launch(launch_config, entrypoint)(*args)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
-        if PREEMPTED_EXIT in codes and codes <= {PREEMPTED_EXIT, -signal.SIGTERM}:
+        if EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}:
             raise WorkersPreempted(
                 "preempted: a checkpoint was saved; run the same command to continue"
             ) from None

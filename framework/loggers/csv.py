@@ -21,6 +21,10 @@ class Config:
     filename: str = doc("metrics.csv", "File name inside the run directory.")
 
 
+def validate(cfg: Config, world) -> None:
+    """Nothing to check before launch."""
+
+
 def build(cfg: Config, ctx):
     from framework.loggers._step_csv import StepCSVLogger
 

@@ -213,5 +213,16 @@ def shared_parameters(task: nn.Module, chain: Sequence[Layer], starts: Sequence[
     return [(names[k], p, s) for k, (p, s) in users.items() if len(s) > 1]
 
 
+def tied_across_layers(task: nn.Module, chain: Sequence[Layer]) -> bool:
+    """Whether some parameter is used by two layers of the chain (a tied embedding and head)."""
+    users: dict[int, int] = {}
+    for i, layer in enumerate(chain):
+        for name in layer.modules:
+            for p in _get(task, name).parameters():
+                if users.setdefault(id(p), i) != i:
+                    return True
+    return False
+
+
 def _get(root: nn.Module, name: str) -> nn.Module:
     return root.get_submodule(name) if name else root

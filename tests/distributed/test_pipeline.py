@@ -5,6 +5,8 @@ before launch."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -25,6 +27,9 @@ GPT = [
 ]
 
 
+SHARDS = ["+callbacks.shards._target_=tests.tasks.ShardCounter", "+callbacks.shards.out=OUT"]
+
+
 def train(*args: str, cwd) -> None:
     result = fw("train", *args, *COMMON, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -35,19 +40,9 @@ def val_losses(run) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(one_process):
     """One-process references: gpt_tiny with batch 8 and 16."""
-    root = tmp_path_factory.mktemp("single")
-    for batch in (8, 16):
-        train(
-            "strategy=ddp",
-            "trainer.devices=1",
-            *GPT,
-            f"task.data.batch_size={batch}",
-            f"run.dir={root / f'gpt{batch}'}",
-            cwd=root,
-        )
-    return root
+    return one_process["root"]
 
 
 def assert_same(run, reference) -> None:
@@ -79,10 +74,32 @@ def last_metrics(run) -> dict[str, float]:
         (["strategy.schedule=zbv", "strategy.virtual_stages=2"], "gpt8"),
         (["strategy.pp=2", "strategy.dp=2", "trainer.devices=4"], "gpt16"),
         (["strategy.pp=2", "strategy.tp=2", "trainer.devices=4"], "gpt8"),
+        (["strategy.pp=2", "strategy.fsdp=2", "trainer.devices=4", *SHARDS], "gpt16"),
+        (
+            [
+                "strategy.pp=2",
+                "strategy.fsdp=2",
+                "strategy.schedule=interleaved_1f1b",
+                "strategy.virtual_stages=2",
+                "trainer.devices=4",
+            ],
+            "gpt16",
+        ),
     ],
-    ids=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "pp2xdp2", "pp2xtp2"],
+    ids=[
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        "zero_bubble",
+        "zbv",
+        "pp2xdp2",
+        "pp2xtp2",
+        "pp2xfsdp2",
+        "pp2xfsdp2-interleaved",
+    ],
 )
 def test_pipeline_reproduces_one_process(args, reference, single, workdir):
+    args = [a.replace("OUT", str(workdir)) for a in args]
     train("strategy=pipeline", "trainer.devices=2", *GPT, *args, "run.dir=run", cwd=workdir)
     assert_same(workdir / "run", single / reference)
     metrics = last_metrics(workdir / "run")
@@ -94,6 +111,10 @@ def test_pipeline_reproduces_one_process(args, reference, single, workdir):
         assert peaks == [4, 4]  # all m=4 microbatches' activations held before any backward
     if "strategy.schedule=1f1b" in args:
         assert max(peaks) <= 2  # at most p
+    if SHARDS[0] in args:  # FSDP really shards each stage: half of its weights per rank
+        for rank in range(4):
+            counts = json.loads((workdir / f"shards-rank{rank}.json").read_text())
+            assert counts["params"] * 2 == pytest.approx(counts["full"], rel=0.02), counts
     if "strategy.trace=true" in args:
         png = workdir / "run" / "pipeline_schedule.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

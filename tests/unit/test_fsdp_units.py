@@ -1,4 +1,4 @@
-"""How strategy=fsdp picks its sharding units (every parameter in one, innermost first)."""
+"""How FSDP (framework.parallel.fsdp) picks its sharding units (every parameter in one, innermost first)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from framework.strategies._fsdp import check_direct_parameters, units
+from framework.parallel.fsdp import check_direct_parameters, units
 from recipes.gpt.task import GPTTask
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+from typing import Any
+
 from framework.config.fields import doc
 from framework.errors import ConfigError
 from framework.world import World
 
 BACKENDS = (None, "gloo", "nccl")
-CHECKPOINT_FORMAT = "lightning"  # one file; loads under any process count
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Config:
     timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.")
 
 
-def validate(cfg: Config, world: World) -> None:
+def validate(cfg: Config, world: World, job: Any) -> None:
     if cfg.backend == "nccl" and not world.is_cuda:
         raise ConfigError(
             "strategy.backend",
@@ -46,16 +47,29 @@ def validate(cfg: Config, world: World) -> None:
         )
 
 
-def build(cfg: Config, world: World):
-    from framework.strategies._portable import PortableDDP, PortableSingleDevice
+def checkpoint_format(cfg: Config, world: World) -> str:
+    return "lightning"  # one file; loads under any process count
+
+
+def check_move(cfg: Config, source: str) -> None:
+    """Any layout can be moved into ddp (whole tensors)."""
+
+
+def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
+    return world.rank, world.world_size
+
+
+def build(cfg: Config, world: World, inputs):
+    from framework.strategies.ddp.strategy import PortableDDP, PortableSingleDevice
 
     if world.world_size == 1:
         import torch
 
         device = torch.device("cuda", world.local_rank) if world.is_cuda else torch.device("cpu")
-        return PortableSingleDevice(device=device)
+        return PortableSingleDevice(device=device, inputs=inputs)
     backend = cfg.backend or ("nccl" if world.is_cuda else "gloo")
     return PortableDDP(
+        inputs=inputs,
         process_group_backend=backend,
         timeout=timedelta(seconds=cfg.timeout_s),
         find_unused_parameters=cfg.find_unused_parameters,

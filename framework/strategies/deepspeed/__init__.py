@@ -21,7 +21,6 @@ from framework.errors import ConfigError
 from framework.world import World
 
 OFFLOAD = ("none", "cpu", "nvme")
-CHECKPOINT_FORMAT = "deepspeed"  # per-rank shards written by the DeepSpeed engine
 
 
 @dataclass
@@ -44,7 +43,7 @@ class Config:
     deepspeed_config: dict[str, Any] = doc({}, "Extra DeepSpeed config keys, merged over ours.")
 
 
-def validate(cfg: Config, world: World) -> None:
+def validate(cfg: Config, world: World, job: Any) -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(
             "strategy",
@@ -82,6 +81,14 @@ def validate(cfg: Config, world: World) -> None:
         raise ConfigError(
             "strategy.stage", cfg.stage, "ZeRO-3 cannot be combined with a pipeline", [1, 2]
         )
+
+
+def checkpoint_format(cfg: Config, world: World) -> str:
+    return "deepspeed"  # per-rank shards written by the DeepSpeed engine
+
+
+def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
+    return world.rank, world.world_size
 
 
 def check_move(cfg: Config, source: str) -> None:
@@ -151,9 +158,9 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build(cfg: Config, world: World):
+def build(cfg: Config, world: World, inputs):
     if not world.is_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from framework.strategies._deepspeed import make_strategy
+    from framework.strategies.deepspeed.strategy import make_strategy
 
-    return make_strategy(deepspeed_config(cfg), cfg, world)
+    return make_strategy(deepspeed_config(cfg), cfg, world, inputs)

@@ -1,0 +1,171 @@
+"""Degrees of parallelism and the one DeviceMesh they build.
+
+`ParallelDims` holds the degrees `pp` (pipeline), `dp` (replicated data), `fsdp` (sharded data),
+`tp` (tensor) and `ep` (expert). The first four multiply to the number of processes; `ep` does not
+add processes: it borrows its ranks from `fsdp x tp`, as torchtitan's expert parallel does.
+
+The processes form one mesh, outermost first (pp, dp, fsdp, tp): tensor parallel is innermost
+(neighbouring ranks, the fastest links), pipeline outermost (the fewest bytes). Every part of the
+framework takes the view it needs from that one mesh by name:
+
+| view | dims | used by |
+|---|---|---|
+| `pp` | pp | pipeline stages (send/recv, tied weights) |
+| `dp`, `fsdp` | dp, fsdp | FSDP2 (replicate x shard: hybrid when both are above 1) |
+| `tp` | tp | tensor-parallel plans |
+| `data` | dp x fsdp, flattened | samplers and loss averaging: ranks that read different data |
+| `ep` | (fsdp ranks borrowed) x tp, flattened | expert parallel (when ep > 1) |
+
+With ep > 1 the fsdp dimension is factored into `fsdp_out x fsdp_in` (fsdp_in = ep / tp) so that
+`ep = fsdp_in x tp`; the `fsdp` view is then those two flattened, and experts are sharded over
+`efsdp` = dp x fsdp_out. The degrees are plain integers: everything except `build_mesh` runs
+without torch (in the `fw` process, before launch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from framework.errors import ConfigError
+
+ORDER = ("pp", "dp", "fsdp", "tp")  # the mesh's dimensions, outermost first
+
+
+def fit_degrees(values: Mapping[str, int], world_size: int) -> dict[str, int]:
+    """Degrees (one may be -1, "the rest") resolved to multiply to the process count."""
+    values = {k: int(v) for k, v in values.items()}
+    for key, value in values.items():
+        if value < 1 and value != -1:
+            raise ConfigError(f"strategy.{key}", value, "must be at least 1, or -1 for the rest")
+    rest = [k for k, v in values.items() if v == -1]
+    if len(rest) > 1:
+        raise ConfigError(
+            f"strategy.{rest[1]}", -1, f"only one degree may be -1 (strategy.{rest[0]} is too)"
+        )
+    known = math.prod(v for v in values.values() if v != -1)
+    if rest:
+        if world_size % known:
+            raise ConfigError(
+                f"strategy.{rest[0]}",
+                -1,
+                f"the other degrees multiply to {known}, which does not divide the "
+                f"{world_size} processes",
+            )
+        values[rest[0]] = world_size // known
+    product = math.prod(values.values())
+    if product != world_size:
+        shown = " x ".join(f"{k}={v}" for k, v in values.items())
+        raise ConfigError(
+            "strategy",
+            shown,
+            f"the degrees multiply to {product}, but the job has {world_size} processes "
+            "(trainer.devices x trainer.num_nodes)",
+            hint=f"Make {' x '.join(values)} equal the process count, or set one degree to -1.",
+        )
+    return values
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees of one job (every degree >= 1, pp x dp x fsdp x tp = world size)."""
+
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def fit(cls, degrees: Mapping[str, int], world_size: int) -> ParallelDims:
+        """Resolve `degrees` (pp, dp, fsdp, tp: one may be -1; ep: -1 means fsdp x tp) against
+        the process count; ConfigError naming the key when they do not fit."""
+        found = fit_degrees({k: degrees.get(k, 1) for k in ORDER}, world_size)
+        ep = int(degrees.get("ep", 1))
+        borrowable = found["fsdp"] * found["tp"]
+        if ep == -1:
+            ep = borrowable
+        if ep < 1:
+            raise ConfigError("strategy.ep", ep, "must be at least 1, or -1 for fsdp x tp")
+        if ep > 1 and (ep % found["tp"] or found["fsdp"] % (ep // found["tp"])):
+            raise ConfigError(
+                "strategy.ep",
+                ep,
+                f"expert parallel borrows its ranks from fsdp x tp = {found['fsdp']} x "
+                f"{found['tp']}: ep must be a multiple of tp={found['tp']} that divides "
+                f"{borrowable}",
+                [d for d in range(found["tp"], borrowable + 1) if borrowable % d == 0 and d % found["tp"] == 0],
+            )
+        return cls(**found, ep=ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.fsdp * self.tp
+
+    @property
+    def data_size(self) -> int:
+        """How many ranks read different data (dp x fsdp)."""
+        return self.dp * self.fsdp
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dimension (row-major, as the mesh is laid out)."""
+        out = {}
+        for name in reversed(ORDER):
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in ORDER}
+
+    def data_parallel(self, rank: int) -> tuple[int, int]:
+        """(rank, size) of this process among the ranks that read different data."""
+        c = self.coordinates(rank)
+        return c["dp"] * self.fsdp + c["fsdp"], self.data_size
+
+    def layout(self) -> tuple[list[tuple[str, int]], dict[str, tuple[str, ...]]]:
+        """The mesh's dimensions [(name, size)] and its flattened views {name: dims}."""
+        if self.ep == 1:
+            dims = [(n, getattr(self, n)) for n in ORDER]
+            return dims, {"data": ("dp", "fsdp")}
+        inner = self.ep // self.tp  # fsdp ranks lent to expert parallel
+        dims = [
+            ("pp", self.pp),
+            ("dp", self.dp),
+            ("fsdp_out", self.fsdp // inner),
+            ("fsdp_in", inner),
+            ("tp", self.tp),
+        ]
+        views = {
+            "fsdp": ("fsdp_out", "fsdp_in"),
+            "data": ("dp", "fsdp_out", "fsdp_in"),
+            "ep": ("fsdp_in", "tp"),
+            "efsdp": ("dp", "fsdp_out"),
+        }
+        return dims, views
+
+    def build_mesh(self, device_type: str) -> JobMesh:
+        """The job's one DeviceMesh (needs the process group), with every view of `layout`."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims, views = self.layout()
+        root = init_device_mesh(
+            device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims)
+        )
+        return JobMesh(root, {name: root[parts]._flatten(name) for name, parts in views.items()})
+
+    def describe(self) -> str:
+        shown = [f"{n}={getattr(self, n)}" for n in (*ORDER, "ep") if getattr(self, n) > 1]
+        return " x ".join(shown) or "one process"
+
+
+@dataclass(frozen=True)
+class JobMesh:
+    """The world mesh and its flattened views; `mesh[name]` or `mesh[(name, name)]` gives one."""
+
+    root: object  # torch DeviceMesh over all processes
+    flat: dict[str, object]  # flattened views, kept here (torch asks callers to keep them)
+
+    def __getitem__(self, names):
+        if isinstance(names, str) and names in self.flat:
+            return self.flat[names]
+        return self.root[names]

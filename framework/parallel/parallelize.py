@@ -1,0 +1,73 @@
+"""`parallelize`: the one place where a task is made parallel, in a fixed order.
+
+1. pipeline cut (pp > 1): this rank keeps only its stages' layers;
+2. tensor-parallel plans on the `tp` view (tp > 1);
+3. activation checkpointing and compile, per block;
+4. FSDP2 over the data views (dp x fsdp > 1): shard over `fsdp`, replicate over `dp` (hybrid
+   when both are above 1), with the pipeline stages as roots under a pipeline.
+
+Every rank builds the whole model from the seed before this (initial weights are one process's),
+and no step renames a module or parameter, so checkpoints of any layout read back by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from framework.nn import pipeline
+from framework.nn.plan import apply_tensor_parallel
+from framework.nn.transforms import ModelTransforms
+from framework.parallel.dims import JobMesh, ParallelDims
+from framework.parallel.fsdp import FSDPSettings, apply_fsdp
+
+
+@dataclass(frozen=True)
+class TensorParallelSettings:
+    """How tensor parallel splits the task (see framework.nn.plan)."""
+
+    plan: dict[str, str] = field(default_factory=dict)  # extra 'module: style' entries
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """Where the model's layer chain is cut, and which stages this rank runs."""
+
+    chain: list[pipeline.Layer]
+    starts: list[int]  # first layer of each stage
+    mine: list[int]  # stage ids of this rank
+
+    def layers(self, stage: int) -> list[pipeline.Layer]:
+        return pipeline.stage_layers(self.chain, self.starts, stage)
+
+
+def parallelize(
+    task: nn.Module,
+    mesh: JobMesh,
+    dims: ParallelDims,
+    tensor: TensorParallelSettings,
+    fsdp: FSDPSettings,
+    transforms: ModelTransforms,
+    cut: StageCut | None = None,
+) -> dict[int, nn.Module]:
+    """Make `task` parallel in place; returns this rank's stage modules by id (pp > 1), else {}."""
+    if cut is not None:
+        kept = [layer for s in cut.mine for layer in cut.layers(s)]
+        pipeline.keep_only(task, cut.chain, kept)
+    if dims.tp > 1:
+        apply_tensor_parallel(
+            task,
+            mesh["tp"],
+            tensor.plan,
+            sequence_parallel=tensor.sequence_parallel,
+            loss_parallel=tensor.loss_parallel,
+        )
+    transforms.apply(task)
+    stages = {s: pipeline.Stage(task, cut.layers(s)) for s in cut.mine} if cut else {}
+    if dims.data_size > 1:
+        data = mesh[("dp", "fsdp")] if dims.dp > 1 else mesh["fsdp"]
+        apply_fsdp(task, data, fsdp, roots=list(stages.values()) if cut else None)
+    return stages

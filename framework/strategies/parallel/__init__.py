@@ -1,0 +1,174 @@
+"""`strategy=fsdp|tensor|fsdp_tp|pipeline`, or any degrees: pipeline, data, sharded-data and tensor
+parallel on one DeviceMesh (expert parallel has its degree reserved: `ep` must be 1 for now).
+
+The degrees `pp`, `dp`, `fsdp` and `tp` multiply to the number of processes; one of them may be -1
+("the rest"). The presets only set degrees: `fsdp` is `fsdp: -1`, `tensor` is `tp: -1`, `fsdp_tp`
+is `fsdp: -1, tp: 2`, `pipeline` is `pp: -1`; any other mix is written with the degrees, e.g.
+`strategy=pipeline strategy.pp=2 strategy.fsdp=2`. One `ParallelDims` builds one mesh
+(framework/parallel/dims.py) and one `parallelize` applies, in this order: the pipeline cut,
+tensor-parallel plans, activation checkpointing / compile, FSDP2 over the data ranks
+(framework/parallel/parallelize.py).
+
+Under a pipeline (pp > 1) each batch is split into `microbatches` and a schedule of
+torch.distributed.pipelining runs them over the stages: `gpipe` (all forwards, then all
+backwards), `1f1b` (one forward, one backward after a warm-up), `interleaved_1f1b`
+(`virtual_stages` stages per process), `zero_bubble` (interleaved, backward split into input- and
+weight-gradient parts) and `zbv` (zero bubble, two stages per process in a V). Checkpoints are DCP
+directories (`dcp`; `dcp_flat` under a pipeline: optimizer state keyed per parameter).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+from framework.config.fields import doc
+from framework.errors import ConfigError
+from framework.parallel.dims import ParallelDims
+from framework.world import World
+
+log = logging.getLogger("framework.parallel")
+DTYPES = (None, "float32", "bfloat16", "float16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+BALANCE = ("params", "time")
+LOOPED = ("interleaved_1f1b", "zero_bubble")  # several stages per process, placed round-robin
+PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages", "split_points", "balance", "trace")
+
+
+@dataclass
+class Config:
+    """Degrees of pipeline (pp), data (dp), sharded data (fsdp) and tensor (tp) parallelism on
+    one mesh, with the settings of each."""
+
+    kind: str = doc("parallel", "Strategy plugin.")
+    pp: int = doc(1, "Pipeline-parallel degree (-1: the processes left over).")
+    dp: int = doc(1, "Replicated data-parallel degree (-1: the processes left over).")
+    fsdp: int = doc(1, "Sharded data-parallel degree, FSDP2 (-1: the processes left over).")
+    tp: int = doc(1, "Tensor-parallel degree (-1: the processes left over).")
+    ep: int = doc(1, "Expert-parallel degree (reserved: must be 1 until MoE blocks exist).")
+    # FSDP2
+    reshard_after_forward: bool = doc(True, "FSDP: free gathered parameters after forward.")
+    param_dtype: str | None = doc(
+        None, "FSDP: dtype of gathered parameters for compute (None: as stored).", DTYPES
+    )
+    reduce_dtype: str | None = doc(
+        None, "FSDP: dtype gradients are reduced in (None: param_dtype).", DTYPES
+    )
+    cpu_offload: bool = doc(False, "FSDP: keep sharded parameters and optimizer state in CPU memory.")
+    shard_modules: list[str] = doc([], "FSDP: class names of the sharding units (empty: automatic).")
+    # tensor parallel
+    sequence_parallel: bool = doc(
+        False, "Split norms and dropout over the sequence between blocks (tp > 1, pp = 1)."
+    )
+    loss_parallel: bool = doc(
+        True,
+        "Leave an LMHead's logits split over the vocabulary and compute the task's cross-entropy "
+        "without gathering them (tp > 1, pp = 1).",
+    )
+    tp_plan: list[str] = doc(
+        [],
+        "Extra plan entries 'module:style' (names may use * wildcards); styles in "
+        "framework.nn.plan.STYLES, e.g. colwise, rowwise.",
+    )
+    # pipeline parallel
+    schedule: str = doc("1f1b", "Pipeline schedule (pp > 1).", SCHEDULES)
+    microbatches: int = doc(4, "Microbatches each batch is split into (must divide the batch).")
+    virtual_stages: int = doc(
+        1,
+        "Stages per process: 1 for gpipe and 1f1b, 2 or more for the interleaved ones, 2 for zbv.",
+    )
+    split_points: list[str] = doc(
+        [],
+        "Modules where stages 2, 3, ... begin (e.g. [model.blocks.2]); empty: balanced by "
+        "`balance`.",
+    )
+    balance: str = doc(
+        "params",
+        "How stages are balanced without split points: params (parameter count) or time "
+        "(each layer's forward + backward timed on one microbatch of the first batch).",
+        BALANCE,
+    )
+    trace: bool = doc(
+        False, "Save a picture of the executed schedule (pipeline_schedule.png in the run dir)."
+    )
+    trace_step: int = doc(3, "The optimizer step whose schedule `trace` draws.")
+    backend: str | None = doc(
+        None, "Collective backend (None: nccl on CUDA, gloo on CPU).", (None, "gloo", "nccl")
+    )
+    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.")
+
+
+def dims_of(cfg: Config, world_size: int) -> ParallelDims:
+    """The resolved degrees; ConfigError when they do not fit the processes."""
+    dims = ParallelDims.fit({k: getattr(cfg, k) for k in ("pp", "dp", "fsdp", "tp", "ep")}, world_size)
+    if dims.ep != 1:
+        raise ConfigError(
+            "strategy.ep",
+            cfg.ep,
+            "expert parallelism is not built yet (it needs mixture-of-experts blocks)",
+            [1],
+        )
+    return dims
+
+
+def validate(cfg: Config, world: World, job: Any) -> None:
+    from framework.strategies.parallel import checks
+
+    dims = dims_of(cfg, world.world_size)
+    if cfg.backend == "nccl" and not world.is_cuda:
+        raise ConfigError(
+            "strategy.backend", cfg.backend, "NCCL needs CUDA devices but the job runs on CPU",
+            ["gloo", "null"],
+        )
+    if cfg.cpu_offload and not world.is_cuda:
+        raise ConfigError(
+            "strategy.cpu_offload",
+            cfg.cpu_offload,
+            "offloading to the CPU needs the job to run on CUDA",
+            ["false"],
+        )
+    checks.plan_syntax(cfg.tp_plan)
+    warn_unused(cfg, dims)
+    if dims.pp > 1:
+        checks.pipeline_settings(cfg, dims, job)
+    if dims.tp > 1:
+        checks.tensor_parallel(cfg, dims, job)
+
+
+def warn_unused(cfg: Config, dims: ParallelDims) -> None:
+    """Settings that do nothing with these degrees are named, not silently dropped."""
+    defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default for f in fields(Config)}
+    unused = []
+    if dims.pp == 1:
+        unused += [f for f in PIPELINE_FIELDS if getattr(cfg, f) != defaults[f]]
+    if dims.tp == 1:
+        unused += [f for f in ("sequence_parallel", "tp_plan") if getattr(cfg, f) != defaults[f]]
+    if dims.data_size == 1:
+        fsdp_fields = ("param_dtype", "reduce_dtype", "shard_modules", "reshard_after_forward")
+        unused += [f for f in fsdp_fields if getattr(cfg, f) != defaults[f]]
+    if unused:
+        log.warning(
+            "strategy.%s has no effect with %s.",
+            ", strategy.".join(unused),
+            dims.describe(),
+        )
+
+
+def checkpoint_format(cfg: Config, world: World) -> str:
+    # under a pipeline each stage saves its own optimizer keys, so they are keyed per parameter
+    return "dcp_flat" if dims_of(cfg, world.world_size).pp > 1 else "dcp"
+
+
+def check_move(cfg: Config, source: str) -> None:
+    """Any layout can be moved in: the full state is copied into the DTensor shards."""
+
+
+def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
+    return dims_of(cfg, world.world_size).data_parallel(world.rank)
+
+
+def build(cfg: Config, world: World, inputs):
+    from framework.strategies.parallel.strategy import ParallelStrategy
+
+    return ParallelStrategy(cfg, dims_of(cfg, world.world_size), world, inputs=inputs)

@@ -1,0 +1,227 @@
+"""Checks of the parallel strategy that run before launch, in the `fw` process.
+
+The ones that need the task build it on the meta device (no memory, no weights) and look at
+it as the workers will: its modules against `tp_plan`, its shapes against `tp`, its layers
+against the pipeline's stages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from framework.errors import ConfigError
+from framework.parallel.dims import ParallelDims
+
+
+def plan_syntax(tp_plan: list[str]) -> None:
+    from framework.nn.plan import STYLES  # here, not at import: framework.nn imports torch
+
+    for entry in tp_plan:
+        name, _, style = str(entry).rpartition(":")
+        if not name:
+            raise ConfigError(
+                "strategy.tp_plan", entry, "an entry is 'module:style', e.g. 'net.0:colwise'"
+            )
+        if style not in STYLES:
+            raise ConfigError("strategy.tp_plan", entry, f"'{style}' is not a known style", STYLES)
+
+
+def tensor_parallel(cfg: Any, dims: ParallelDims, job: Any) -> None:
+    """tp > 1: transforms torch gets wrong, plan names, shapes that must split."""
+    trainer = job.trainer
+    if cfg.sequence_parallel and dims.pp > 1:
+        raise ConfigError(
+            "strategy.sequence_parallel",
+            True,
+            "is not supported under a pipeline (pp > 1): stages send whole activations",
+            ["false"],
+        )
+    if (
+        cfg.sequence_parallel
+        and trainer.compile
+        and trainer.activation_checkpointing == "selective"
+    ):
+        raise ConfigError(
+            "trainer.activation_checkpointing",
+            "selective",
+            "with trainer.compile=true and strategy.sequence_parallel=true it trains wrong "
+            "gradients in the installed torch (measured: losses off by 1e-2 within 10 steps)",
+            ["full", "none"],
+            hint="Use full, or turn off compile or sequence_parallel.",
+        )
+    if cfg.tp_plan:
+        plan_names(cfg.tp_plan, job.task)
+    tensor_dims(job.task, dims.tp, cfg.sequence_parallel)
+
+
+def tensor_dims(task: Any, tp: int, sequence_parallel: bool) -> None:
+    """The sizes the task says tensor parallelism splits (its `tensor_parallel_dims`) divide
+    by `tp`."""
+    from framework.config.validate import import_target
+
+    dims = getattr(import_target("task._target_", task._target_), "tensor_parallel_dims", None)
+    if dims is None:
+        return
+    for key, value in dims(dict(task.model), sequence_parallel=sequence_parallel).items():
+        if value % tp:
+            raise ConfigError(
+                f"task.model.{key}",
+                value,
+                f"must be divisible by the tensor-parallel degree strategy.tp={tp}",
+                hint=f"Choose a multiple of {tp}, or another strategy.tp.",
+            )
+
+
+def meta_task(task_cfg: Any):
+    """The task built on the meta device."""
+    import torch
+
+    from framework.worker import build_task
+
+    with torch.device("meta"):
+        return build_task(task_cfg)
+
+
+def plan_names(tp_plan: list[str], task_cfg: Any) -> None:
+    """Every `strategy.tp_plan` entry names modules of the task."""
+    from framework.nn.plan import matches
+
+    task = meta_task(task_cfg)
+    names = [n for n, _ in task.named_modules() if n]
+    for entry in tp_plan:
+        pattern = str(entry).rpartition(":")[0]
+        if not any(matches(pattern, n) for n in names):
+            raise ConfigError(
+                "strategy.tp_plan",
+                entry,
+                f"'{pattern}' names no module of {type(task).__name__}",
+                hint=f"Its modules include: {', '.join(names[:8])}.",
+            )
+
+
+def pipeline_settings(cfg: Any, dims: ParallelDims, job: Any) -> None:
+    """pp > 1: the schedule against its stages and microbatches, then the task's layers."""
+    v, m, pp = cfg.virtual_stages, cfg.microbatches, dims.pp
+    needs, fits = {
+        "gpipe": ("== 1", v == 1),
+        "1f1b": ("== 1", v == 1),
+        "zbv": ("== 2", v == 2),
+    }.get(cfg.schedule, (">= 2", v >= 2))
+    if not fits:
+        raise ConfigError(
+            "strategy.virtual_stages",
+            v,
+            f"schedule {cfg.schedule} needs virtual_stages {needs} (stages per process)",
+            hint="gpipe and 1f1b run one stage per process; interleaved_1f1b and zero_bubble "
+            "two or more; zbv exactly two.",
+        )
+    if m < 1:
+        raise ConfigError("strategy.microbatches", m, "must be at least 1")
+    if cfg.schedule != "gpipe" and m < pp:
+        raise ConfigError(
+            "strategy.microbatches",
+            m,
+            f"schedule {cfg.schedule} needs at least as many microbatches as pipeline ranks "
+            f"(pp={pp})",
+        )
+    rounds = max(1, m // pp)
+    if cfg.schedule in ("interleaved_1f1b", "zero_bubble") and m % rounds:
+        raise ConfigError(
+            "strategy.microbatches",
+            m,
+            f"schedule {cfg.schedule} needs a multiple of pp={pp} microbatches (or fewer than "
+            f"{2 * pp})",
+        )
+    if cfg.trace and cfg.trace_step < 1:
+        raise ConfigError("strategy.trace_step", cfg.trace_step, "must be at least 1")
+    if cfg.schedule in ("zero_bubble", "zbv") and job.trainer.activation_checkpointing == "selective":
+        raise ConfigError(
+            "trainer.activation_checkpointing",
+            "selective",
+            f"schedule {cfg.schedule} runs each backward in two passes (input, then weight "
+            "gradients), and torch's selective checkpointing allows only one",
+            ["full", "none"],
+            hint="Use full, or another schedule.",
+        )
+    batch = job.task.get("data", {}).get("batch_size")
+    if isinstance(batch, int) and batch % m:
+        raise ConfigError(
+            "strategy.microbatches",
+            m,
+            f"must divide the batch of each data-parallel rank, task.data.batch_size={batch}",
+            [d for d in range(1, batch + 1) if batch % d == 0][:12],
+        )
+    if cfg.trace and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(
+            "strategy.trace",
+            True,
+            "drawing the schedule needs matplotlib, which is not installed",
+            hint="pip install matplotlib (the project's `bench` extra), or leave trace off.",
+        )
+    layers(cfg, dims, job.task)
+
+
+def layers(cfg: Any, dims: ParallelDims, task_cfg: Any) -> None:
+    """Cut the meta-device task as the workers will: a loss, enough layers, valid split points,
+    and no weight FSDP would have to shard twice."""
+    from framework.nn import pipeline
+    from framework.task import TaskModule
+
+    task = meta_task(task_cfg)
+    name = type(task).__name__
+    n_stages = dims.pp * cfg.virtual_stages
+    if not hasattr(task, "loss") or type(task).loss is TaskModule.loss:
+        raise ConfigError(
+            "task._target_",
+            task_cfg._target_,
+            f"{name} defines no loss(output, target): pipeline parallel computes the loss on "
+            "the last stage with it",
+            hint="Add a loss method (and pipeline_batch, if a batch is not (input, target)).",
+        )
+    try:
+        chain = pipeline.layers(task)
+        pipeline.check_covered(task, chain)
+    except ValueError as err:
+        raise ConfigError("strategy", "pipeline", str(err)) from None
+    if n_stages > len(chain):
+        raise ConfigError(
+            "strategy.pp",
+            cfg.pp,
+            f"{n_stages} stages (pp x virtual_stages) is more than the {len(chain)} layers of "
+            f"{name} ({', '.join(layer.name for layer in chain[:6])}, ...)",
+            hint="Use fewer stages, or a model with more layers.",
+        )
+    if cfg.schedule == "zbv" and dims.data_size > 1 and pipeline.tied_across_layers(task, chain):
+        raise ConfigError(
+            "strategy.schedule",
+            "zbv",
+            f"{name} ties a weight between its first and last layers, which zbv places on the "
+            "same process; FSDP (dp x fsdp > 1) cannot shard one weight in two stages there",
+            ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"],
+            hint="Use another schedule, or no data parallelism inside the pipeline.",
+        )
+    if cfg.split_points:
+        split_points(cfg, chain, n_stages, name)
+
+
+def split_points(cfg: Any, chain: list, n_stages: int, name: str) -> None:
+    from framework.nn import pipeline
+
+    if len(cfg.split_points) != n_stages - 1:
+        raise ConfigError(
+            "strategy.split_points",
+            list(cfg.split_points),
+            f"{n_stages} stages need {n_stages - 1} split points (where stages 2, 3, ... begin)",
+        )
+    try:
+        pipeline.starts_at(chain, list(cfg.split_points))
+    except KeyError as err:
+        raise ConfigError(
+            "strategy.split_points",
+            err.args[0],
+            f"is not where a layer of {name} begins",
+            [layer.name for layer in chain][:16],
+        ) from None
+    except ValueError as err:
+        raise ConfigError("strategy.split_points", list(cfg.split_points), str(err)) from None

@@ -1,0 +1,257 @@
+"""The Lightning strategy behind every layout of `strategy=fsdp|tensor|fsdp_tp|pipeline` and the
+explicit degrees (imports Lightning and torch.distributed: loaded in workers only).
+
+Lightning's ModelParallelStrategy knows two mesh dimensions and asks the task to parallelize
+itself in `configure_model`. This one builds the job's one mesh from its `ParallelDims` and calls
+the one `parallelize`, so any task built from `framework.nn` blocks (or declaring plans) runs
+unchanged. Under a pipeline it runs the step through `PipelineRunner` (schedule.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from framework.nn import pipeline
+from framework.parallel.dims import ParallelDims
+from framework.parallel.fsdp import FSDPSettings
+from framework.parallel.gradients import clip_by_total_norm, reduce_partial_gradients
+from framework.parallel.parallelize import StageCut, TensorParallelSettings, parallelize
+from framework.strategies.parallel import checkpoint_io, stages
+from framework.strategies.parallel.schedule import PipelineRunner, inputs_and_targets
+from framework.strategies.parallel.timeline import gathered_metrics, save_trace
+from framework.strategy_base import StrategyBase
+
+log = logging.getLogger("framework.parallel")
+
+
+class ParallelStrategy(StrategyBase, ModelParallelStrategy):
+    strategy_name = "fw_parallel"
+
+    def __init__(self, cfg, dims: ParallelDims, world, inputs) -> None:
+        super().__init__(
+            inputs=inputs,
+            data_parallel_size=dims.data_size,
+            tensor_parallel_size=dims.tp,
+            save_distributed_checkpoint=True,
+            process_group_backend=cfg.backend or ("nccl" if world.is_cuda else "gloo"),
+            timeout=timedelta(seconds=cfg.timeout_s),
+        )
+        self.cfg = cfg
+        self.dims = dims
+        self.pipeline: PipelineRunner | None = None
+        self.ties: stages.Ties | None = None
+
+    # ---- processes
+    def setup_environment(self) -> None:
+        Strategy.setup_environment(self)
+        self._setup_distributed()
+        self.mesh = self.dims.build_mesh(self.root_device.type)
+        data = self.mesh["data"]
+        if (data.get_local_rank(), data.size()) != tuple(self.inputs.data_parallel):
+            raise RuntimeError(
+                f"data-parallel coordinates {self.inputs.data_parallel} given, but the mesh "
+                f"has ({data.get_local_rank()}, {data.size()})"
+            )
+        # Lightning reads this name (logging, the task's `device_mesh`)
+        self._device_mesh = self.mesh.root
+        self.lightning_module._device_mesh = self.mesh.root
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        data = self.mesh["data"]
+        return {"num_replicas": data.size(), "rank": data.get_local_rank()}
+
+    # ---- model
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        task = self.lightning_module
+        cut = self.cut_stages(task, trainer) if self.dims.pp > 1 else None
+        tensor = TensorParallelSettings(
+            plan=dict(str(e).rsplit(":", 1) for e in self.cfg.tp_plan),
+            sequence_parallel=self.cfg.sequence_parallel,
+            loss_parallel=self.cfg.loss_parallel and cut is None,  # logits whole on a last stage
+        )
+        fsdp = FSDPSettings(
+            reshard_after_forward=self.cfg.reshard_after_forward,
+            param_dtype=self.cfg.param_dtype,
+            reduce_dtype=self.cfg.reduce_dtype,
+            cpu_offload=self.cfg.cpu_offload,
+            shard_modules=tuple(self.cfg.shard_modules),
+        )
+        modules = parallelize(
+            task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut
+        )
+        finish_setup(self, trainer)
+        if self.pipeline is not None:
+            self.pipeline.start(modules, task)
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # over every stage
+
+    def cut_stages(self, task, trainer) -> StageCut:
+        cfg = self.cfg
+        owners = stages.stage_owners(cfg.schedule, self.dims.pp, cfg.virtual_stages)
+        self.pipeline = runner = PipelineRunner(
+            cfg.schedule, cfg.microbatches, owners, self.mesh, self.root_device
+        )
+        measure = None
+        if cfg.balance == "time":
+            measure = lambda chain: self.measured_costs(task, chain, trainer)  # noqa: E731
+        cut = stages.cut(task, list(cfg.split_points), runner.n_stages, runner.mine, measure)
+        if self.global_rank == 0:
+            log.info(
+                "Pipeline stages (first layers): %s",
+                ", ".join(cut.chain[s].name for s in cut.starts),
+            )
+        self.ties = stages.Ties(task)
+        self.ties.find_across(task, cut, runner.rank_of, self.mesh.root.mesh)
+        if self.dims.data_size > 1:
+            stages.check_no_local_ties(cut, task)
+        task.pipeline_stages = list(runner.mine)
+        return cut
+
+    def measured_costs(self, task, chain, trainer) -> list[float]:
+        """Seconds of forward + backward of each layer on one microbatch of the first training
+        batch (median of 3; the whole model is still here). Rank 0's figures are used
+        everywhere, so all processes cut the same stages; the random state is left untouched."""
+        batch = next(iter(trainer.datamodule.train_dataloader()))
+        x, y = inputs_and_targets(task, batch)
+        rows = max(1, x.shape[0] // self.cfg.microbatches)
+        x, y = x[:rows].to(self.root_device), y[:rows].to(self.root_device)
+        task.to(self.root_device)
+        with torch.random.fork_rng(devices=[]):
+            costs = pipeline.time_layers(chain, x, lambda out: task.loss(out, y))
+        for p in task.parameters():
+            p.grad = None
+        shared = [costs]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
+    # ---- the step
+    def loss_context(self):
+        """torch's loss_parallel: cross-entropy on vocabulary-split logits, forward and backward."""
+        if self.dims.tp > 1 and self.cfg.loss_parallel and self.pipeline is None:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def training_step(self, *args, **kwargs):
+        if self.pipeline is None:
+            with self.loss_context():
+                return plain(super().training_step(*args, **kwargs))
+        batch, batch_idx = args[0], args[1]
+        task = self.lightning_module
+        trainer = task.trainer
+        trace = self.cfg.trace and trainer.global_step == self.cfg.trace_step
+        stepping = not trainer.fit_loop.epoch_loop._should_accumulate()
+        loss = self.pipeline.training_step(
+            batch,
+            batch_idx,
+            self.precision_plugin.train_step_context,
+            trace,
+            self.ties if stepping else None,
+        )
+        if trace or trainer._logger_connector.should_update_logs:  # a gather: not every step
+            self.log_pipeline(task, trace)
+        task.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, *args, **kwargs):
+        if self.pipeline is None:
+            with self.loss_context():
+                return plain(super().validation_step(*args, **kwargs))
+        loss = self.pipeline.validation_step(args[0], self.precision_plugin.val_step_context)
+        self.lightning_module.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        if self.pipeline is not None:
+            self.pipeline.backward()
+            return closure_loss
+        with self.loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def reduce(self, tensor, *args, **kwargs):
+        # values a task logs from a loss_parallel loss are replicated DTensors
+        return super().reduce(plain(tensor), *args, **kwargs)
+
+    def post_backward(self, closure_loss) -> None:
+        super().post_backward(closure_loss)
+        if self.cfg.sequence_parallel:  # the only source of partial gradients here
+            reduce_partial_gradients(self.lightning_module.parameters())
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        """Like torch's clip_grad_norm_, over the gradients of the whole model (every shard and
+        stage; a weight tied across pipeline ranks counted once)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        skip = set()
+        if self.ties is not None:
+            pp_rank = self.pipeline.pp_rank
+            task = self.lightning_module
+            skip = {id(p) for n, p in task.named_parameters() if self.ties.not_first_holder(n, pp_rank)}
+        group = self.pipeline.group if self.pipeline is not None else None
+        clip_by_total_norm(params, clip_val, self.root_device, skip, group)
+
+    def log_pipeline(self, task, trace: bool) -> None:
+        runner = self.pipeline
+        metrics = gathered_metrics(runner.timeline, runner.n_stages, self.dims.pp, runner.group)
+        for name, value in metrics.items():
+            task.log(name, value)
+        if trace:
+            info = {
+                "schedule": self.cfg.schedule,
+                "pp": self.dims.pp,
+                "microbatches": self.cfg.microbatches,
+                "step": task.trainer.global_step,
+            }
+            run_dir = Path(task.trainer.default_root_dir)
+            save_trace(runner.timeline, info, run_dir, runner.group, self.dims.pp, self.global_rank == 0)
+
+    # ---- checkpoints
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self.pipeline is None:
+            return super().optimizer_state(optimizer)
+        return checkpoint_io.flat_optimizer_state(self.model, optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+        if self.pipeline is None or self.inputs.move_from is not None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        return checkpoint_io.load_flat(self.model, self.optimizers, path, weights_only)
+
+    def load_portable(self, state) -> None:
+        aliases = self.ties.aliases if self.ties is not None else None
+        checkpoint_io.load_portable(
+            self.model, self.optimizers, state, self.parameter_names(), aliases
+        )
+
+
+def finish_setup(strategy: ModelParallelStrategy, trainer) -> None:
+    """After the model is made parallel in place: precision, optimizers (when fitting), devices."""
+    strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+    strategy.barrier()
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting:
+        strategy.setup_optimizers(trainer)
+    strategy.setup_precision_plugin()
+    if fitting:
+        _optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+
+def plain(output):
+    """A step's loss as a plain tensor (loss_parallel returns a replicated DTensor)."""
+    if hasattr(output, "to_local"):
+        return output.to_local()
+    if isinstance(output, dict) and hasattr(output.get("loss"), "to_local"):
+        return {**output, "loss": output["loss"].to_local()}
+    return output

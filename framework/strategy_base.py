@@ -1,0 +1,68 @@
+"""What every Lightning strategy built by a framework strategy plugin has in common.
+
+A plugin's `build(cfg, world, inputs)` (see `framework.plugins.StrategyPlugin`) receives
+`StrategyInputs` from the worker and returns a Lightning `Strategy`. Mixing `StrategyBase` in
+front of the Lightning class gives that strategy three things the worker relies on:
+
+- `inputs` kept on the strategy (its `__init__` takes `inputs=` before Lightning's arguments);
+- resuming from a checkpoint written in another layout or process count (`inputs.move_from`):
+  the checkpoint is read as one full state (`framework.portable`) and handed to the strategy's
+  own `load_portable(state)`, which copies it into its sharding;
+- samplers bound to the data-parallel coordinates: every `GlobalOrderSampler` of the loaders
+  Lightning prepares takes this rank's (rank, size) among the ranks that read different data.
+
+The strategy itself applies `inputs.transforms` (activation checkpointing, compile) to the task's
+blocks at the right point of its setup: after tensor parallelism, before data-parallel wrapping.
+Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from framework import portable
+    from framework.nn.transforms import ModelTransforms
+
+
+@dataclass(frozen=True)
+class StrategyInputs:
+    """What the worker hands a strategy plugin's `build`, besides its config and the world."""
+
+    transforms: ModelTransforms  # activation checkpointing / compile for the task's blocks
+    data_parallel: tuple[int, int] = (0, 1)  # (rank, size) among ranks reading different data
+    move_from: Path | None = None  # resume checkpoint written by another layout or world size
+
+
+class StrategyBase:
+    """Mixin for the Lightning strategies the plugins build: inputs, moves, sampler binding."""
+
+    inputs: StrategyInputs
+
+    def __init__(self, *args: Any, inputs: StrategyInputs, **kwargs: Any) -> None:
+        self.inputs = inputs
+        super().__init__(*args, **kwargs)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+        if self.inputs.move_from is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
+        from framework import portable
+
+        state = portable.read(self.inputs.move_from)
+        self.load_portable(state)
+        return state.rest
+
+    def load_portable(self, state: portable.Portable) -> None:
+        """Copy a full, name-keyed state into this strategy's model and optimizers."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take in another layout")
+
+    def parameter_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.lightning_module.named_parameters()}  # type: ignore[attr-defined]
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        from framework.data.sampler import bind
+
+        bind(dataloader, *self.inputs.data_parallel)
+        return super().process_dataloader(dataloader)  # type: ignore[misc]

@@ -1,0 +1,38 @@
+"""One-process reference runs shared by every distributed test module (built once per session)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import QUIET, fw, losses
+
+REFERENCE = [
+    *QUIET,
+    "trainer.deterministic=true",
+    "trainer.log_every_n_steps=1",
+    "logger=[csv]",
+    "strategy=ddp",
+    "trainer.devices=1",
+]
+GPT = [
+    "experiment=gpt_tiny",
+    "trainer.val_check_interval=20",
+    "task.scheduler.name=constant",
+    "callbacks.checkpoint.every_n_steps=10",
+]
+RUNS = {
+    "gpt8": [*GPT, "task.data.batch_size=8"],
+    "gpt16": [*GPT, "task.data.batch_size=16"],
+    "digits": ["task=digits", "trainer.max_steps=20", "task.data.batch_size=32", "callbacks=none"],
+}
+
+
+@pytest.fixture(scope="session")
+def one_process(tmp_path_factory):
+    """Run directories of one-process runs: gpt_tiny with batch 8 and 16 (20 steps, checkpoints
+    at 10 and 20, validation at 20) and digits with batch 32 (20 steps); with `losses` of each."""
+    root = tmp_path_factory.mktemp("one_process")
+    for name, args in RUNS.items():
+        result = fw("train", *REFERENCE, *args, f"run.dir={root / name}", cwd=root)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return {"root": root, **{name: losses(root / name) for name in RUNS}}
