@@ -89,7 +89,11 @@ def _preset(config: dict[str, Any]) -> str:
     if kind == "deepspeed" and "stage" in strategy:
         return f"zero{strategy['stage']}"
     if kind == "parallel":
-        degrees = [f"{k}={strategy[k]}" for k in ("pp", "dp", "fsdp", "tp", "ep") if strategy.get(k, 1) != 1]
+        degrees = [
+            f"{k}={strategy[k]}"
+            for k in ("pp", "dp", "fsdp", "tp", "ep")
+            if strategy.get(k, 1) != 1
+        ]
         return f"parallel({', '.join(degrees)})"
     return str(kind)
 

@@ -39,7 +39,6 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     """Train one job in this process; returns the fitted lightning.Trainer."""
     setup_logging()
     import lightning.pytorch as pl
-    import torch
 
     from framework import checkpointing
     from framework.callbacks._checkpointer import STATE_FILE, Checkpointer, Preempted
@@ -70,32 +69,14 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
         move_from=resume_from if moved else None,  # written by another layout or world size
     )
     strategy = plugin.build(strategy_cfg, world, inputs)
-    loggers = [build_plugin("logger", n, e, ctx) for n, e in (cfg.logger or {}).items() if e is not None]
+    loggers = [
+        build_plugin("logger", n, e, ctx) for n, e in (cfg.logger or {}).items() if e is not None
+    ]
     loggers = [lg for lg in loggers if lg is not None]  # a plugin may decline (e.g. disabled)
     callbacks = [
         build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]
-    trainer_args = {
-        k: v
-        for k, v in OmegaConf.to_container(cfg.trainer).items()
-        if k not in TRAINER_KEYS_SKIPPED and v is not None
-    }
-    if cfg.trainer.max_epochs is None:
-        # Unset epochs: unlimited when a step budget is given, else one pass over the data.
-        trainer_args["max_epochs"] = -1 if cfg.trainer.max_steps > 0 else 1
-    if cfg.trainer.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    trainer = pl.Trainer(
-        accelerator="cuda" if world.is_cuda else "cpu",
-        devices=world.devices,
-        num_nodes=world.num_nodes,
-        strategy=strategy,
-        logger=loggers or False,
-        callbacks=callbacks,
-        enable_checkpointing=False,  # checkpoints come from callbacks.checkpoint
-        default_root_dir=str(run_dir),
-        **trainer_args,
-    )
+    trainer = make_trainer(cfg.trainer, world, strategy, loggers, callbacks, run_dir)
     ckpt_path = str(resume_from / STATE_FILE) if resume_from else None
     if resume_from and trainer.is_global_zero:
         log.info("Resuming from %s (step %d)", resume_from, ctx.resume_step)
@@ -107,6 +88,34 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     if trainer.is_global_zero:
         log.info("Run finished at step %d. Outputs in %s", trainer.global_step, run_dir)
     return trainer
+
+
+def make_trainer(trainer_cfg, world: World, strategy, loggers, callbacks, run_dir: Path) -> Any:
+    """The lightning.Trainer: the `trainer` settings it takes, and the parts built here."""
+    import lightning.pytorch as pl
+    import torch
+
+    trainer_args = {
+        k: v
+        for k, v in OmegaConf.to_container(trainer_cfg).items()
+        if k not in TRAINER_KEYS_SKIPPED and v is not None
+    }
+    if trainer_cfg.max_epochs is None:
+        # Unset epochs: unlimited when a step budget is given, else one pass over the data.
+        trainer_args["max_epochs"] = -1 if trainer_cfg.max_steps > 0 else 1
+    if trainer_cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    return pl.Trainer(
+        accelerator="cuda" if world.is_cuda else "cpu",
+        devices=world.devices,
+        num_nodes=world.num_nodes,
+        strategy=strategy,
+        logger=loggers or False,
+        callbacks=callbacks,
+        enable_checkpointing=False,  # checkpoints come from callbacks.checkpoint
+        default_root_dir=str(run_dir),
+        **trainer_args,
+    )
 
 
 def make_context(

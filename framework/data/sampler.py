@@ -101,7 +101,10 @@ def _world() -> tuple[int, int]:
 def bind(loader, rank: int, size: int) -> None:
     """Give the loader's GlobalOrderSampler (unless built with explicit coordinates) this rank's
     data-parallel coordinates: `size` ranks read different data, this one is `rank`."""
-    samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    samplers = (
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    )
     for sampler in samplers:
         if isinstance(sampler, GlobalOrderSampler) and not sampler.explicit:
             sampler.num_replicas, sampler.rank = size, rank

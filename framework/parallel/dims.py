@@ -95,7 +95,11 @@ class ParallelDims:
                 f"expert parallel borrows its ranks from fsdp x tp = {found['fsdp']} x "
                 f"{found['tp']}: ep must be a multiple of tp={found['tp']} that divides "
                 f"{borrowable}",
-                [d for d in range(found["tp"], borrowable + 1) if borrowable % d == 0 and d % found["tp"] == 0],
+                [
+                    d
+                    for d in range(found["tp"], borrowable + 1)
+                    if borrowable % d == 0 and d % found["tp"] == 0
+                ],
             )
         return cls(**found, ep=ep)
 

@@ -54,7 +54,10 @@ def squared_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.T
         if isinstance(grad, DTensor):
             if any(isinstance(p, Partial) for p in grad.placements):
                 raise ValueError("a gradient is still a partial sum; reduce it first")
-            key = (grad.device_mesh, tuple(i for i, p in enumerate(grad.placements) if p.is_shard()))
+            key = (
+                grad.device_mesh,
+                tuple(i for i, p in enumerate(grad.placements) if p.is_shard()),
+            )
             part = grad.to_local().double().pow(2).sum()
             groups[key] = groups.get(key, torch.zeros_like(total)) + part
         else:

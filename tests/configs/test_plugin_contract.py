@@ -31,7 +31,11 @@ def section_blocks() -> tuple[dict[str, str], list[str]]:
 
 def test_the_out_of_tree_plugin_from_the_docs_works(workdir):
     files, commands = section_blocks()
-    assert set(files) == {"my_plugins/single.py", "my_plugins/__init__.py", "my_conf/strategy/single.yaml"}
+    assert set(files) == {
+        "my_plugins/single.py",
+        "my_plugins/__init__.py",
+        "my_conf/strategy/single.yaml",
+    }
     for path, body in files.items():
         (workdir / path).parent.mkdir(parents=True, exist_ok=True)
         (workdir / path).write_text(body)
@@ -39,21 +43,27 @@ def test_the_out_of_tree_plugin_from_the_docs_works(workdir):
     common = [*QUIET, "logger=[csv]", "trainer.log_every_n_steps=1", "run.dir=run"]
     result = fw(*train[1:], *common, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [int(r["step"]) for r in read_metrics(workdir / "run") if r.get("train/loss")] == list(range(5))
+    assert [int(r["step"]) for r in read_metrics(workdir / "run") if r.get("train/loss")] == list(
+        range(5)
+    )
     meta = json.loads((workdir / "run" / "checkpoints" / "last" / "meta.json").read_text())
     assert meta["format"] == "lightning" and meta["step"] == 5
     for command, message in (
         (two, "strategy=single runs exactly one process"),
         (typo, "strategy.device_indx=1: no such key. Did you mean 'device_index'?"),
     ):
-        result = fw(*command[1:], *[c for c in common if c != "run.dir=run"], "run.dir=bad", cwd=workdir)
+        result = fw(
+            *command[1:], *[c for c in common if c != "run.dir=run"], "run.dir=bad", cwd=workdir
+        )
         assert result.returncode == 2, result.stderr[-3000:]
         assert message in result.stderr and "Traceback" not in result.stderr
         assert not (workdir / "bad").exists()
 
 
 def test_a_module_missing_a_hook_is_refused_by_name(tmp_path, monkeypatch):
-    (tmp_path / "half_plugin.py").write_text("class Config:\n    pass\n\ndef build(cfg, world, inputs):\n    pass\n")
+    (tmp_path / "half_plugin.py").write_text(
+        "class Config:\n    pass\n\ndef build(cfg, world, inputs):\n    pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as err:
         load_plugin("strategy", "half_plugin", "strategy.kind")

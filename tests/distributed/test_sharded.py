@@ -169,6 +169,27 @@ def test_fsdp_with_named_units_reproduces_ddp_on_gpt(ddp_losses, workdir):
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want)
 
 
+def test_fsdp_settings_mean_the_same_as_the_preset_or_as_degrees(ddp_losses, workdir):
+    """strategy=fsdp and degrees written out are one layout with one FSDP applier: mixed
+    precision gives the same (bf16) losses both ways, and differs from fp32 ddp."""
+    mixed = ["strategy.param_dtype=bfloat16", "strategy.reduce_dtype=float32"]
+    spellings = {
+        "preset": ["strategy=fsdp"],
+        "degrees": ["strategy=tensor", "strategy.tp=1", "strategy.fsdp=-1"],
+    }
+    for name, spelled in spellings.items():
+        result = fw("train", *spelled, *mixed, *DIGITS, *PARITY, f"run.dir={name}", cwd=workdir)
+        assert result.returncode == 0, result.stderr[-3000:]
+    got, want = losses(workdir / "preset"), losses(workdir / "degrees")
+    assert got == want and len(got) == 20
+    assert any(abs(got[s] - ddp_losses["digits"][s]) > 1e-4 for s in got), "bf16 was applied"
+    for spelled in spellings.values():
+        refused = fw(
+            "train", *spelled, "strategy.cpu_offload=true", "trainer.devices=2", cwd=workdir
+        )
+        assert refused.returncode == 2 and "needs the job to run on CUDA" in refused.stderr
+
+
 def test_nvme_offload_matches_ddp_or_is_refused_before_launch_without_libaio(ddp_losses, workdir):
     """NVMe offload needs DeepSpeed's async_io op; without libaio it is a config error, not a crash."""
     from framework.strategies.deepspeed import async_io_available

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import QUIET, fw, losses
+from tests.conftest import QUIET, fw, losses, read_metrics
 
 pytestmark = pytest.mark.slow
 COMMON = [
@@ -85,8 +85,15 @@ def assert_same(run, want) -> None:
     ],
 )
 def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(args, reference, single, workdir):
-    train(*args, *GPT, "callbacks=none", "run.dir=run", cwd=workdir)
+    speed = ["+callbacks.throughput.kind=throughput"]
+    train(*args, *GPT, "callbacks=none", *speed, "run.dir=run", cwd=workdir)
     assert_same(workdir / "run", single[reference])
+    # samples per step = the global batch: tensor-parallel ranks share theirs, not add to it
+    rows = [r for r in read_metrics(workdir / "run") if r.get("perf/samples_per_sec")]
+    assert rows, "throughput was logged"
+    for row in rows:
+        ratio = float(row["perf/samples_per_sec"]) / float(row["perf/steps_per_sec"])
+        assert ratio == pytest.approx(int(reference.removeprefix("gpt")))
 
 
 def comm_counts(workdir, *args: str) -> dict:

@@ -31,7 +31,10 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
                     base = f"{base}.{node.module}" if node.module else base
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    for a in node.names
+                ]
             else:
                 continue
             edges.update(t for t in targets if t in modules and t != name)

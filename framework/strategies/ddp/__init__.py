@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-
 from typing import Any
 
 from framework.config.fields import doc

@@ -55,8 +55,12 @@ class Config:
     reduce_dtype: str | None = doc(
         None, "FSDP: dtype gradients are reduced in (None: param_dtype).", DTYPES
     )
-    cpu_offload: bool = doc(False, "FSDP: keep sharded parameters and optimizer state in CPU memory.")
-    shard_modules: list[str] = doc([], "FSDP: class names of the sharding units (empty: automatic).")
+    cpu_offload: bool = doc(
+        False, "FSDP: keep sharded parameters and optimizer state in CPU memory."
+    )
+    shard_modules: list[str] = doc(
+        [], "FSDP: class names of the sharding units (empty: automatic)."
+    )
     # tensor parallel
     sequence_parallel: bool = doc(
         False, "Split norms and dropout over the sequence between blocks (tp > 1, pp = 1)."
@@ -101,7 +105,9 @@ class Config:
 
 def dims_of(cfg: Config, world_size: int) -> ParallelDims:
     """The resolved degrees; ConfigError when they do not fit the processes."""
-    dims = ParallelDims.fit({k: getattr(cfg, k) for k in ("pp", "dp", "fsdp", "tp", "ep")}, world_size)
+    dims = ParallelDims.fit(
+        {k: getattr(cfg, k) for k in ("pp", "dp", "fsdp", "tp", "ep")}, world_size
+    )
     if dims.ep != 1:
         raise ConfigError(
             "strategy.ep",
@@ -118,7 +124,9 @@ def validate(cfg: Config, world: World, job: Any) -> None:
     dims = dims_of(cfg, world.world_size)
     if cfg.backend == "nccl" and not world.is_cuda:
         raise ConfigError(
-            "strategy.backend", cfg.backend, "NCCL needs CUDA devices but the job runs on CPU",
+            "strategy.backend",
+            cfg.backend,
+            "NCCL needs CUDA devices but the job runs on CPU",
             ["gloo", "null"],
         )
     if cfg.cpu_offload and not world.is_cuda:
@@ -138,7 +146,10 @@ def validate(cfg: Config, world: World, job: Any) -> None:
 
 def warn_unused(cfg: Config, dims: ParallelDims) -> None:
     """Settings that do nothing with these degrees are named, not silently dropped."""
-    defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default for f in fields(Config)}
+    defaults = {
+        f.name: f.default_factory() if callable(f.default_factory) else f.default
+        for f in fields(Config)
+    }
     unused = []
     if dims.pp == 1:
         unused += [f for f in PIPELINE_FIELDS if getattr(cfg, f) != defaults[f]]

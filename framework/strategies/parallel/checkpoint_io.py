@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from framework import portable
-from framework.parallel.state import load_full_state
+from framework.parallel.state import load_full_state, without_empty_groups
 
 FLAT = {"flatten_optimizer_state_dict": True}
 
@@ -39,12 +39,13 @@ def load_flat(model, optimizers, path: Path, weights_only: bool | None) -> dict:
 
     options = StateDictOptions(**FLAT)
     state = {"state_dict": get_model_state_dict(model)}
-    for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=options)
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["state_dict"])
-    for i, opt in enumerate(optimizers):
-        set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=options)
+    with without_empty_groups(optimizers):
+        for i, opt in enumerate(optimizers):
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=options)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["state_dict"])
+        for i, opt in enumerate(optimizers):
+            set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=options)
     return torch.load(path / "meta.pt", map_location="cpu", weights_only=bool(weights_only))
 
 

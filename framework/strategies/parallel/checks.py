@@ -135,7 +135,10 @@ def pipeline_settings(cfg: Any, dims: ParallelDims, job: Any) -> None:
         )
     if cfg.trace and cfg.trace_step < 1:
         raise ConfigError("strategy.trace_step", cfg.trace_step, "must be at least 1")
-    if cfg.schedule in ("zero_bubble", "zbv") and job.trainer.activation_checkpointing == "selective":
+    if (
+        cfg.schedule in ("zero_bubble", "zbv")
+        and job.trainer.activation_checkpointing == "selective"
+    ):
         raise ConfigError(
             "trainer.activation_checkpointing",
             "selective",

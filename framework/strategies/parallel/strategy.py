@@ -89,9 +89,7 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             cpu_offload=self.cfg.cpu_offload,
             shard_modules=tuple(self.cfg.shard_modules),
         )
-        modules = parallelize(
-            task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut
-        )
+        modules = parallelize(task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut)
         finish_setup(self, trainer)
         if self.pipeline is not None:
             self.pipeline.start(modules, task)
@@ -198,7 +196,9 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         if self.ties is not None:
             pp_rank = self.pipeline.pp_rank
             task = self.lightning_module
-            skip = {id(p) for n, p in task.named_parameters() if self.ties.not_first_holder(n, pp_rank)}
+            skip = {
+                id(p) for n, p in task.named_parameters() if self.ties.not_first_holder(n, pp_rank)
+            }
         group = self.pipeline.group if self.pipeline is not None else None
         clip_by_total_norm(params, clip_val, self.root_device, skip, group)
 
@@ -215,7 +215,9 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
                 "step": task.trainer.global_step,
             }
             run_dir = Path(task.trainer.default_root_dir)
-            save_trace(runner.timeline, info, run_dir, runner.group, self.dims.pp, self.global_rank == 0)
+            save_trace(
+                runner.timeline, info, run_dir, runner.group, self.dims.pp, self.global_rank == 0
+            )
 
     # ---- checkpoints
     def optimizer_state(self, optimizer) -> dict[str, Any]:
