@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from framework import secrets
 from framework.world import World
 
-SECRET = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
-REDACTED = "***"
 # Config keys whose change makes a checkpoint unusable (the model or optimizer would not match).
 BREAKING = ("task._target_", "task.model.", "task.optimizer._target_", "task.data._target_", "seed")
 
@@ -31,22 +29,16 @@ class RunContext:
     resume_step: int = 0
     data_parallel: tuple[int, int] = (0, 1)  # (rank, size) among ranks reading different data
     checkpoint_format: str = "lightning"  # the layout the strategy's checkpoints are written in
+    secret_keys: tuple[str, ...] = ()  # extra key names whose values are secret (run.secret_keys)
+    secret_values: frozenset[str] = frozenset()  # values never to write (framework.secrets)
+
+    def clean(self, params: Any) -> Any:
+        """Hyperparameters as they may be written to disk or a logger: secrets replaced."""
+        return secrets.clean(params, self.secret_values, secrets.key_pattern(self.secret_keys))
 
     @property
     def config_hash(self) -> str:
         return config_hash(self.config)
-
-
-def redact(node: Any) -> Any:
-    """A copy of a config container with the values of secret-looking keys replaced."""
-    if isinstance(node, dict):
-        return {
-            k: (REDACTED if SECRET.search(str(k)) and v not in (None, "") else redact(v))
-            for k, v in node.items()
-        }
-    if isinstance(node, list):
-        return [redact(v) for v in node]
-    return node
 
 
 def config_hash(config: dict[str, Any]) -> str:

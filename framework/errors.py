@@ -24,6 +24,8 @@ class ConfigError(Exception):
         near: str | None = None,
     ) -> None:
         self.key = key
+        if _secret_key(key) and value not in (None, ""):
+            value = "***"  # an error message is printed: never a credential
         self.value = value
         self.problem = problem
         self.choices = [str(c) for c in choices] if choices is not None else None
@@ -49,3 +51,9 @@ class ConfigError(Exception):
 def _short(value: Any, limit: int = 120) -> str:
     text = repr(value) if not isinstance(value, str) else value
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _secret_key(key: str) -> bool:
+    from framework.secrets import SECRET
+
+    return bool(SECRET.search(str(key).rpartition(".")[2]))

@@ -11,6 +11,23 @@ from framework.world import global_rank
 NOISE = ("💡 Tip:",)
 
 
+class _ScrubSecrets(logging.Filter):
+    """Replace credential values (environment, secret config values) in every message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import json
+        import os
+
+        from framework.secrets import ENV, environment_credentials, scrub
+
+        values = environment_credentials()
+        values |= {str(v) for v in json.loads(os.environ.get(ENV, "{}")).values()}
+        if values:
+            record.msg = scrub(record.getMessage(), values)
+            record.args = ()
+        return True
+
+
 class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(NOISE)
@@ -23,6 +40,7 @@ def setup_logging(rank: int | None = None) -> None:
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[fw] %(message)s"))
+        handler.addFilter(_ScrubSecrets())
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)

@@ -22,10 +22,11 @@ from omegaconf.errors import OmegaConfBaseException
 from framework import checkpointing, resume
 from framework.config.compose import compose_config, expand_sweeps
 from framework.config.validate import validate
-from framework.context import flatten, load_run_state, redact
+from framework.context import flatten, load_run_state
 from framework.errors import EXIT_PREEMPTED, ConfigError
 from framework.plugins import load_plugin, typed_config
-from framework.worker import SECRETS_ENV
+from framework.secrets import ENV as SECRETS_ENV
+from framework.secrets import key_pattern, redact
 from framework.world import World, global_rank
 
 log = logging.getLogger("framework.runner")
@@ -77,7 +78,7 @@ def plan(
         jobs.append(Job(cfg, world, Path(cfg.run.dir), group=group))
     for job in jobs:
         check_run_dir(job.run_dir)
-        config = redact(OmegaConf.to_container(job.cfg))
+        config = redact(OmegaConf.to_container(job.cfg), key_pattern(job.cfg.run.secret_keys))
         plugin = load_plugin("strategy", job.cfg.strategy.kind, "strategy.kind")
         strategy_cfg = typed_config(plugin, job.cfg.strategy)
         job.resume_from = resume.choose(
@@ -159,12 +160,14 @@ def write_config(job: Job) -> Path:
     state["group"] = state.get("group") or job.group
     checkpointing.write_json_atomic(job.run_dir / "run.json", state)
     plain = OmegaConf.to_container(job.cfg)
-    secret = {k: v for k, v in flatten(plain).items() if flatten(redact(plain)).get(k) != v}
+    pattern = key_pattern(job.cfg.run.secret_keys)
+    hidden = flatten(redact(plain, pattern))
+    secret = {k: v for k, v in flatten(plain).items() if hidden.get(k) != v}
     os.environ[SECRETS_ENV] = json.dumps(secret)
     path = job.run_dir / "config.yaml"
     tmp = path.with_suffix(".yaml.tmp")
     with tmp.open("w") as fh:
-        fh.write(OmegaConf.to_yaml(OmegaConf.create(redact(plain))))
+        fh.write(OmegaConf.to_yaml(OmegaConf.create(redact(plain, pattern))))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)

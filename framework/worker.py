@@ -16,7 +16,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.context import RunContext, load_run_state, redact
+from framework import secrets
+from framework.context import RunContext, load_run_state
 from framework.logs import quiet_lightning, setup_logging
 from framework.plugins import load_plugin, typed_config
 from framework.strategy_base import StrategyInputs
@@ -32,7 +33,6 @@ TRAINER_KEYS_SKIPPED = (
     "activation_checkpointing",
     "compile",
 )
-SECRETS_ENV = "FW_SECRET_VALUES"  # secret config values, passed to workers outside config.yaml
 
 
 def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
@@ -130,24 +130,28 @@ def make_context(
 
     state = load_run_state(run_dir)
     step = checkpointing.read_meta(resume_from)["step"] if resume_from else 0
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    pattern = secrets.key_pattern(cfg.run.secret_keys)
+    hidden = secrets.values_under_secret_keys(plain, pattern) | secrets.environment_credentials()
     return RunContext(
         run_dir=Path(run_dir),
         run_name=cfg.run.name or Path(run_dir).name,
         run_id=state.get("run_id", "local"),
         group=state.get("group"),
-        config=redact(OmegaConf.to_container(cfg, resolve=True)),
+        config=secrets.redact(plain, pattern),
         world=world,
         resume_from=resume_from,
         resume_step=step,
         data_parallel=data_parallel,
         checkpoint_format=checkpoint_format,
+        secret_keys=tuple(cfg.run.secret_keys),
+        secret_values=frozenset(hidden),
     )
 
 
 def with_secrets(cfg: DictConfig) -> DictConfig:
     """Put back the secret values that config.yaml holds only as '***'."""
-    secrets = json.loads(os.environ.get(SECRETS_ENV, "{}"))
-    for key, value in secrets.items():
+    for key, value in json.loads(os.environ.get(secrets.ENV, "{}")).items():
         OmegaConf.update(cfg, key, value, merge=False)
     return cfg
 

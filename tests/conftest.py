@@ -55,6 +55,21 @@ def losses(run_dir: Path) -> dict[int, float]:
     }
 
 
+def metric_rows(run: Path) -> list[tuple[int, str]]:
+    """(step, train/loss as written) of every row, in file order: a repeated step shows twice,
+    and text equality is bitwise equality."""
+    return [(int(r["step"]), r["train/loss"]) for r in read_metrics(run) if r.get("train/loss")]
+
+
+def assert_resumed(stderr: str, run: Path, steps: int, moved: bool = False) -> None:
+    """The second leg of a run resumed from a checkpoint (not a fresh start) and every step
+    0..steps-1 is logged exactly once."""
+    assert "Resuming from" in stderr, stderr[-2000:]
+    if moved:
+        assert "Moving checkpoint" in stderr, stderr[-2000:]
+    assert [s for s, _ in metric_rows(run)] == list(range(steps)), "each step exactly once"
+
+
 def tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in Path(root).rglob("*")}
 

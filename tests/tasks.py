@@ -127,11 +127,14 @@ class RecordingDigitsTask(DigitsTask):
 
 
 class TokenDigits(PlainDigits):
-    """A task that takes a secret (an API token) as an argument."""
+    """A task that takes a secret (an API token) and saves its hyperparameters, as most
+    Lightning modules do; it fails if it is handed the redacted value instead of the real one."""
 
     def __init__(self, hidden: int = 32, lr: float = 0.01, api_token: str = "") -> None:
         super().__init__(hidden=hidden, lr=lr)
-        self.token_length = len(api_token)
+        self.save_hyperparameters()
+        if api_token == "***":
+            raise ValueError("the task was given the redacted token, not the real one")
 
 
 class ShardCounter(pl.Callback):
@@ -177,3 +180,49 @@ class ShardCounter(pl.Callback):
 def _local(t) -> int:
     """Elements of a tensor held by this process (a DTensor's local shard)."""
     return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+
+
+class TransformProbe(pl.Callback):
+    """Writes, per rank, what the model transforms did at the second step: how many times the
+    first block's first norm ran in that step (2 with activation checkpointing: forward and the
+    recompute in backward), how many graphs torch.compile built, and which classes FSDP2 made
+    sharding units (its module classes are named FSDP<class>)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.calls = 0
+        self.counting = False
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        # before the strategy compiles or wraps the blocks, so the hook is part of them; run
+        # eagerly (not traced), so compiled code does not specialise on the counter
+        block = next(m for m in pl_module.modules() if type(m).__name__ == "TransformerBlock")
+        block.ln1.register_forward_pre_hook(torch._dynamo.disable(self._count))
+
+    def _count(self, module, args) -> None:
+        if self.counting:
+            self.calls += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.counting = trainer.global_step == 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.counting:
+            return
+        self.counting = False
+        import json
+
+        from torch._dynamo.utils import counters
+
+        units = sorted(
+            type(m).__name__.removeprefix("FSDP")
+            for m in pl_module.modules()
+            if type(m).__name__.startswith("FSDP")
+        )
+        probe = {
+            "norm_calls": self.calls,
+            "graphs": counters["stats"]["unique_graphs"],
+            "fsdp_units": units,
+        }
+        with open(os.path.join(self.out, f"probe-rank{trainer.global_rank}.json"), "w") as fh:
+            json.dump(probe, fh)

@@ -72,6 +72,10 @@ class Checkpointer(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        # Lightning copies the task's (and data module's) saved hyperparameters in: no secrets
+        for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+            if key in checkpoint:
+                checkpoint[key] = self.ctx.clean(checkpoint[key])
         # Lightning's optimizer state is keyed by position; the names let another layout
         # (zero*, fsdp) match it to parameters on resume. Sharded optimizers carry their own.
         names = {id(p): n for n, p in pl_module.named_parameters()}

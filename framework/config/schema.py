@@ -103,6 +103,11 @@ class RunConfig:
 
     dir: str | None = doc(None, "Run directory (None: runs/<date>_<time>).")
     name: str | None = doc(None, "Display name of the run (None: the run directory's name).")
+    secret_keys: list[str] = doc(
+        [],
+        "More config key names (regexes) whose values are secret, besides token, api_key, "
+        "secret, password, credential, private_key: never written to disk or the console.",
+    )
 
 
 @dataclass

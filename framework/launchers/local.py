@@ -85,7 +85,7 @@ def build(cfg: Config, world: World):
             if resume_from is not None:
                 args += ("--resume", str(resume_from))
         with forward_signals(PREEMPT_SIGNALS):
-            start_workers(cfg, world, method, entrypoint, args)
+            start_workers(cfg, world, method, entrypoint, args, config_path.parent)
 
     return launch
 
@@ -122,7 +122,9 @@ def child_pids(parent: int) -> list[int]:
     return pids
 
 
-def start_workers(cfg: Config, world: World, method: str, entrypoint, args: tuple) -> None:
+def start_workers(
+    cfg: Config, world: World, method: str, entrypoint, args: tuple, run_dir: Path
+) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -147,12 +149,18 @@ def start_workers(cfg: Config, world: World, method: str, entrypoint, args: tupl
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}:
-            raise WorkersPreempted(
-                "preempted: a checkpoint was saved; run the same command to continue"
-            ) from None
+            raise WorkersPreempted(preempted_message(run_dir)) from None
         raise WorkerFailure(describe_failures(err, log_dir)) from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def preempted_message(run_dir: Path) -> str:
+    from framework import checkpointing
+
+    newest = checkpointing.listing(run_dir / "checkpoints")
+    where = f"checkpoint saved at step {newest[0][0]}" if newest else "a checkpoint was saved"
+    return f"preempted: {where}; run the same command to continue"
 
 
 def describe_failures(err, log_dir: Path) -> str:

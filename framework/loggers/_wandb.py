@@ -11,7 +11,7 @@ from typing import Any
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from framework.context import REDACTED, SECRET
+from framework.secrets import REDACTED, SECRET
 
 log = logging.getLogger("framework.wandb")
 
@@ -19,9 +19,15 @@ log = logging.getLogger("framework.wandb")
 class RunWandbLogger(WandbLogger):
     """Lightning's WandbLogger that says how to upload an offline run when training ends."""
 
-    def __init__(self, offline_dir: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, offline_dir: str | None = None, clean=None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._offline_dir = offline_dir
+        self._clean = clean or (lambda params: params)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        """The task's hyperparameters, with secrets replaced (W&B's config and debug log)."""
+        super().log_hyperparams(self._clean(params))
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
@@ -50,7 +56,7 @@ def make_logger(cfg, ctx, mode: str) -> RunWandbLogger:
     run = init_run(cfg, ctx, mode)
     offline = run.settings.mode == "offline" and getattr(run, "dir", None)
     offline_dir = os.path.dirname(run.dir) if offline else None
-    return RunWandbLogger(offline_dir=offline_dir, experiment=run, **kwargs)
+    return RunWandbLogger(offline_dir=offline_dir, experiment=run, clean=ctx.clean, **kwargs)
 
 
 def init_run(cfg, ctx, mode: str):

@@ -9,8 +9,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import QUIET, REPO, fw
-from tests.distributed.test_resume import metric_rows
+from tests.conftest import QUIET, REPO, fw, metric_rows
 
 pytestmark = pytest.mark.slow
 FIXTURES = REPO / "tests" / "fixtures" / "checkpoints"

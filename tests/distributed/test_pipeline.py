@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from framework.config.compose import compose_config
 from framework.config.validate import validate
 from framework.errors import ConfigError
-from tests.conftest import QUIET, fw, losses, read_metrics
-from tests.distributed.test_resume import kill_then_restart, metric_rows
+from tests.conftest import QUIET, assert_resumed, fw, losses, metric_rows, read_metrics
+from tests.distributed.test_resume import kill_then_restart
 
 pytestmark = pytest.mark.slow
 COMMON = [*QUIET, "trainer.deterministic=true", "trainer.log_every_n_steps=1", "logger=[csv]"]
@@ -30,9 +30,10 @@ GPT = [
 SHARDS = ["+callbacks.shards._target_=tests.tasks.ShardCounter", "+callbacks.shards.out=OUT"]
 
 
-def train(*args: str, cwd) -> None:
+def train(*args: str, cwd) -> str:
     result = fw("train", *args, *COMMON, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
 
 
 def val_losses(run) -> list[float]:
@@ -137,7 +138,8 @@ def test_a_pipeline_checkpoint_resumes_without_a_pipeline_and_exports_whole(sing
     b = torch.load(workdir / "one.pt", weights_only=True)
     assert a.keys() == b.keys() and "model.blocks.1.attn.qkv.weight" in a
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
-    train("strategy=ddp", "trainer.devices=1", *GPT, "run.dir=run", cwd=workdir)
+    err = train("strategy=ddp", "trainer.devices=1", *GPT, "run.dir=run", cwd=workdir)
+    assert_resumed(err, workdir / "run", 20, moved=True)
     assert_same(workdir / "run", single / "gpt8")
 
 

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from tests.conftest import QUIET, fw, losses
-from tests.distributed.test_resume import SLOW, kill_then_restart, metric_rows
+from tests.conftest import QUIET, fw, losses, metric_rows
+from tests.distributed.test_resume import SLOW, kill_then_restart
 
 pytestmark = pytest.mark.slow
 PARITY = [
@@ -155,18 +155,27 @@ def test_invalid_sharding_settings_are_refused_before_launch(args, message, work
 
 
 def test_fsdp_with_named_units_reproduces_ddp_on_gpt(ddp_losses, workdir):
+    probe = [
+        "+callbacks.probe._target_=tests.tasks.TransformProbe",
+        f"+callbacks.probe.out={workdir}",
+    ]
     result = fw(
         "train",
         "strategy=fsdp",
-        "strategy.shard_modules=[TransformerBlock]",
+        "strategy.shard_modules=[Attention,MLP]",
         *GPT,
         *PARITY,
+        *probe,
         "run.dir=run",
         cwd=workdir,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     got, want = losses(workdir / "run"), ddp_losses["gpt"]
-    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want)
+    assert sorted(got) == sorted(want) and all(abs(got[s] - want[s]) <= 1e-5 for s in want)
+    units = json.loads((workdir / "probe-rank0.json").read_text())["fsdp_units"]
+    assert units == ["Attention", "Attention", "GPT", "MLP", "MLP"], (
+        "the named classes are the units"
+    )
 
 
 def test_fsdp_settings_mean_the_same_as_the_preset_or_as_degrees(ddp_losses, workdir):

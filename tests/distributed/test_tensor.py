@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import QUIET, fw, losses, read_metrics
+from tests.conftest import QUIET, assert_resumed, fw, losses, read_metrics
 
 pytestmark = pytest.mark.slow
 COMMON = [
@@ -22,9 +22,10 @@ GPT = ["experiment=gpt_tiny", "trainer.val_check_interval=20", "task.scheduler.n
 DIGITS = ["task=digits", "trainer.max_steps=20"]
 
 
-def train(*args: str, cwd) -> None:
+def train(*args: str, cwd) -> str:
     result = fw("train", *args, *COMMON, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +158,28 @@ def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(workdir)
 )
 def test_activation_checkpointing_and_compile_keep_the_losses(args, single, workdir):
     per_rank = "task.data.batch_size=8" if "strategy=tensor" in args else "task.data.batch_size=4"
-    train(*args, per_rank, "trainer.devices=2", *GPT, "callbacks=none", "run.dir=run", cwd=workdir)
+    probe = [
+        "+callbacks.probe._target_=tests.tasks.TransformProbe",
+        f"+callbacks.probe.out={workdir}",
+    ]
+    train(
+        *args,
+        per_rank,
+        "trainer.devices=2",
+        *GPT,
+        "callbacks=none",
+        *probe,
+        "run.dir=run",
+        cwd=workdir,
+    )
     assert_same(workdir / "run", single["gpt8"])
+    # proof the transforms were applied, not only harmless
+    for rank in (0, 1):
+        seen = json.loads((workdir / f"probe-rank{rank}.json").read_text())
+        assert seen["norm_calls"] == 2, "the block's forward is recomputed in backward"
+        assert (seen["graphs"] > 0) == ("trainer.compile=true" in args), seen
+        if "strategy=fsdp" in args:
+            assert seen["fsdp_units"] == ["GPT", "TransformerBlock", "TransformerBlock"], seen
 
 
 def test_full_checkpointing_recomputes_collectives_and_selective_keeps_them(workdir):
@@ -206,7 +227,8 @@ def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, wo
 def test_resume_into_another_layout_continues_the_same_run(first, second, single, workdir):
     save = ["callbacks.checkpoint.every_n_steps=10"]
     train(*first, *GPT, *save, "trainer.max_steps=10", "run.dir=run", cwd=workdir)
-    train(*second, *GPT, *save, "trainer.max_steps=20", "run.dir=run", cwd=workdir)
+    err = train(*second, *GPT, *save, "trainer.max_steps=20", "run.dir=run", cwd=workdir)
+    assert_resumed(err, workdir / "run", 20, moved=first != second)
     assert_same(workdir / "run", single["gpt16"])
 
 

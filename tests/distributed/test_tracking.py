@@ -93,54 +93,76 @@ def test_wandb_offline_one_run_per_job_same_id_after_restart(workdir):
     )
 
 
+def run_record(path):
+    """The run record of an offline W&B run file (a leveldb-style log of protobuf records)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, chunk = path.read_bytes(), 7, b""  # after the ':W&B' file header
+    block = 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, size, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk += data[pos + 7 : pos + 7 + size]
+        pos += 7 + size
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "run":
+                return record.run
+    raise AssertionError(f"no run record in {path}")
+
+
 def test_multirun_jobs_share_one_wandb_group(workdir):
     env = fw_env()
     env["WANDB_MODE"] = "offline"
     result = run_fw(["-m", "seed=1,2", "trainer.max_steps=3", *QUIET], workdir, env)
     assert result.returncode == 0, result.stderr[-3000:]
     sweep = next((workdir / "runs").iterdir())
-    logs = [
-        next((sweep / n / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes() for n in "01"
-    ]
-    assert all(sweep.name.encode() in log for log in logs)
+    runs = [run_record(next((sweep / n / "wandb").glob("offline-run-*/run-*.wandb"))) for n in "01"]
+    assert [r.run_group for r in runs] == [sweep.name, sweep.name]
+    assert runs[0].run_id != runs[1].run_id, "one W&B run per job"
 
 
-def test_secrets_never_reach_disk(workdir):
+def test_secrets_never_reach_disk_or_the_console(workdir, tmp_path):
+    """A task with an `api_token` that calls save_hyperparameters, W&B offline, a W&B API key
+    in the environment: neither value is in any file of the run, the working directory or
+    HOME (checkpoint and W&B files included), nor on the console."""
+    home = tmp_path / "home"
+    home.mkdir()
     env = fw_env()
-    env.update(WANDB_MODE="offline", WANDB_API_KEY="sk-live-0123456789abcdef")
-    result = run_fw(
-        [
-            "task._target_=tests.tasks.PlainDigits",
-            "~task.model.dropout",
-            "task.model.hidden=8",
-            "+task.model.api_token=tok-secret-42",
-            "trainer.max_steps=3",
-            *QUIET,
-            "run.dir=run",
-        ],
-        workdir,
-        env,
+    env.update(WANDB_MODE="offline", WANDB_API_KEY="sk-live-0123456789abcdef", HOME=str(home))
+    task = ["~task.model.dropout", "task.model.hidden=8", "+task.model.api_token=tok-secret-42"]
+    common = [*task, "trainer.max_steps=3", "callbacks.checkpoint.every_n_steps=3", *QUIET]
+    refused = run_fw(
+        ["task._target_=tests.tasks.PlainDigits", *common, "run.dir=run"], workdir, env
     )
-    # PlainDigits takes no api_token: the run is refused, before anything is written
-    assert result.returncode == 2 and not (workdir / "run").exists()
-    result = run_fw(
-        [
-            "task._target_=tests.tasks.TokenDigits",
-            "~task.model.dropout",
-            "task.model.hidden=8",
-            "+task.model.api_token=tok-secret-42",
-            "trainer.max_steps=3",
-            *QUIET,
-            "run.dir=run",
-        ],
-        workdir,
-        env,
-    )
+    # PlainDigits takes no api_token: refused before anything is written, the value not shown
+    assert refused.returncode == 2 and not (workdir / "run").exists()
+    assert "task.model.api_token=***: not an argument of PlainDigits" in refused.stderr
+    result = run_fw(["task._target_=tests.tasks.TokenDigits", *common, "run.dir=run"], workdir, env)
     assert result.returncode == 0, result.stderr[-3000:]
-    for path in (workdir / "run").rglob("*"):
-        if path.is_file():
-            data = path.read_bytes()
-            assert b"tok-secret-42" not in data and b"sk-live-0123456789abcdef" not in data, path
+    ckpt = workdir / "run" / "checkpoints" / "step00000003" / "state.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["hyper_parameters"]
+    assert saved["api_token"] == "***" and saved["hidden"] == 8, "hyperparameters kept, redacted"
+    assert list((workdir / "run" / "wandb").glob("offline-run-*/run-*.wandb")), "W&B wrote"
+    for outputs in (refused, result):
+        console = outputs.stdout + outputs.stderr
+        assert "tok-secret-42" not in console and "sk-live-0123456789abcdef" not in console
+    checked = 0
+    for root in (workdir, home):
+        for path in root.rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                assert b"tok-secret-42" not in data and b"sk-live-0123456789abcdef" not in data, (
+                    path
+                )
+                checked += 1
+    assert checked > 10
     assert "api_token: '***'" in (workdir / "run" / "config.yaml").read_text()
 
 

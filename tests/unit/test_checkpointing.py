@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from framework import checkpointing
-from framework.context import config_changes, redact
+from framework.context import config_changes
+from framework.secrets import redact
 
 
 def make(ckpt_dir, step, metric=None):
