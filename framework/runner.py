@@ -24,6 +24,7 @@ from framework.config.compose import compose_config, expand_sweeps
 from framework.config.validate import validate
 from framework.context import flatten, load_run_state
 from framework.errors import EXIT_PREEMPTED, ConfigError
+from framework.external import check_world, job_id
 from framework.plugins import load_plugin, typed_config
 from framework.secrets import ENV as SECRETS_ENV
 from framework.secrets import key_pattern, redact
@@ -43,20 +44,11 @@ class Job:
     group: str | None = None
 
 
-def external_job_id() -> str | None:
-    """The id of an enclosing torchrun or SLURM job whose processes we are, or None."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ:
-        return os.environ["TORCHELASTIC_RUN_ID"]
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return f"slurm-{os.environ.get('SLURM_JOB_ID', 'job')}"
-    return None
-
-
 def plan(
     overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None
 ) -> list[Job]:
     """Compose, resolve and validate every job of the command before any of them starts."""
-    external = external_job_id()
+    external = job_id()
     if multirun and external:
         raise ConfigError("-m", "multirun", "a sweep cannot run inside a torchrun/SLURM job")
     sweep = expand_sweeps(overrides) if multirun else [list(overrides)]
@@ -74,7 +66,7 @@ def plan(
         resolve(cfg)
         world = validate(cfg)
         if external:
-            check_external_world(world)
+            check_world(world)
         jobs.append(Job(cfg, world, Path(cfg.run.dir), group=group))
     for job in jobs:
         check_run_dir(job.run_dir)
@@ -111,17 +103,6 @@ def resolve(cfg: DictConfig) -> None:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "config"
         raise ConfigError(key, "?", str(err).splitlines()[0].rstrip(".")) from None
-
-
-def check_external_world(world: World) -> None:
-    size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    if world.world_size != size:
-        raise ConfigError(
-            "trainer.devices",
-            world.devices,
-            f"devices x num_nodes = {world.world_size} but the enclosing job has {size} processes",
-            hint="Set trainer.devices (per node) and trainer.num_nodes to match the launcher.",
-        )
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -185,7 +166,7 @@ def run_job(job: Job) -> None:
     from framework import worker
 
     is_rank0 = global_rank() == 0
-    external = external_job_id() is not None
+    external = job_id() is not None
     if is_rank0:
         config_path = write_config(job)
         log.info("Run directory: %s", job.run_dir)

@@ -74,6 +74,18 @@ def tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in Path(root).rglob("*")}
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `gpu` are skipped, with the reason, where no CUDA device is present."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none present)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     """An empty directory to run `fw` in (so stray outputs would show up there)."""

@@ -83,6 +83,8 @@ def init_run(cfg, ctx, mode: str):
                 return wandb.init(mode="online", settings=settings, **args)
             except Exception as err:  # unreachable server, bad key: keep training, log offline
                 log.warning("W&B online init failed (%s); logging offline instead.", err)
+                wandb.teardown()  # the failed run still holds its id in W&B's service
+                mode = os.environ["WANDB_MODE"] = "offline"  # W&B's own telemetry too
         return wandb.init(mode=mode, settings=settings, **args)
 
 

@@ -195,3 +195,52 @@ def test_resume_with_another_process_count_sees_every_sample_once(before, after,
     order = GlobalOrderSampler(n_train, seed=0, num_replicas=1, rank=0).global_order().tolist()
     assert len(got) == len(set(got)) == 22 * global_batch, "no sample repeated"
     assert sorted(got) == sorted(order[: 22 * global_batch]), "no sample skipped"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (children, their children, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_die_with_a_kill_9_of_fw_alone(method, workdir):
+    """Only the `fw` process is killed (not its process group): no worker goes on training,
+    whether the workers were forked from it or started as fresh interpreters (CUDA's way)."""
+    run = workdir / "run"
+    long = [a for a in SLOW if "max_steps" not in a] + ["trainer.max_steps=1000"]  # minutes
+    proc = start([*long, f"launcher.start_method={method}", f"run.dir={run}"], workdir)
+    wait_for_step(run, 3, proc)
+    workers = descendants(proc.pid)
+    assert len(workers) >= 2, "the job runs its workers below fw"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [p for p in workers if alive(p)]
+    for pid in survivors:  # leave no orphan behind, even when failing
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "a worker outlived fw"
+    rows = len(metric_rows(run))
+    time.sleep(1.0)
+    assert len(metric_rows(run)) == rows, "nothing trains after fw died"

@@ -54,7 +54,7 @@ def wandb_env(server: ConnectionCounter) -> dict[str, str]:
     return env
 
 
-def run_fw(args, cwd, env):
+def run_fw(args, cwd, env, timeout: float = 300):
     from tests.conftest import FW
 
     return subprocess.run(
@@ -63,7 +63,7 @@ def run_fw(args, cwd, env):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         start_new_session=True,
     )
 
@@ -115,6 +115,28 @@ def run_record(path):
             if record.WhichOneof("record_type") == "run":
                 return record.run
     raise AssertionError(f"no run record in {path}")
+
+
+def test_online_with_an_unreachable_server_falls_back_to_offline(workdir, tmp_path):
+    """An API key but no server (a local port that refuses): the job is not blocked beyond
+    `init_timeout`, logs offline to the same run id, and finishes."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: connections to it are refused
+    env = fw_env()
+    env.pop("WANDB_MODE", None)
+    env.update(
+        WANDB_API_KEY="0123456789abcdef0123456789abcdef01234567",
+        WANDB_BASE_URL=f"http://127.0.0.1:{port}",
+        HOME=str(tmp_path),
+    )
+    args = ["logger.wandb.mode=online", "logger.wandb.init_timeout=5", "trainer.max_steps=3"]
+    result = run_fw([*args, *QUIET, "run.dir=run"], workdir, env, timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "W&B online init failed" in result.stderr and "logging offline instead" in result.stderr
+    offline = list((workdir / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    run_id = (workdir / "run" / "run.json").read_text().split('"run_id": "')[1].split('"')[0]
+    assert len(offline) == 1 and run_record(offline[0]).run_id == run_id
 
 
 def test_multirun_jobs_share_one_wandb_group(workdir):

@@ -1,0 +1,92 @@
+"""Inside a SLURM allocation: `fw train` started by `srun` in every task joins as the rank that
+task is, names its run directory after the job, and refuses a process layout that does not match
+the allocation. The tasks are started as `srun -N1 -n2 fw train ...` starts them: two `fw`
+processes with the variables srun sets (no real SLURM needed)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+
+import pytest
+
+from framework.external import tasks_per_node
+from tests.conftest import FW, QUIET, fw, fw_env, metric_rows
+
+pytestmark = pytest.mark.slow
+ARGS = ["trainer.max_steps=6", "trainer.log_every_n_steps=1", "trainer.deterministic=true", *QUIET]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def srun(args: list[str], cwd, ntasks: int = 2, per_node: str | None = None, extra=None):
+    """Start `fw train ARGS` in `ntasks` tasks with srun's variables; their results."""
+    port = free_port()
+    procs = []
+    for rank in range(ntasks):
+        env = fw_env()
+        env.update(
+            SLURM_JOB_ID="4242",
+            SLURM_JOB_NAME="train",
+            SLURM_NTASKS=str(ntasks),
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_NNODES="1",
+            SLURM_JOB_NUM_NODES="1",
+            SLURM_NODELIST="localhost",
+            SLURM_TASKS_PER_NODE=per_node or str(ntasks),  # srun -n N sets no SLURM_NTASKS_PER_NODE
+            MASTER_PORT=str(port),
+            **(extra or {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [str(FW), "train", *args],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    return [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
+
+
+def test_srun_n2_joins_as_its_ranks_and_matches_the_local_launcher(workdir):
+    results = srun(["trainer.devices=2", *ARGS], workdir)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
+    run = workdir / "runs" / "slurm-4242"
+    assert [s for s, _ in metric_rows(run)] == list(range(6))
+    assert sum(1 for _ in (workdir / "runs").iterdir()) == 1, "one run directory for the job"
+    local = fw("train", "trainer.devices=2", *ARGS, "run.dir=local", cwd=workdir)
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert metric_rows(run) == metric_rows(workdir / "local"), "bitwise the local launcher's"
+
+
+@pytest.mark.parametrize(
+    ("devices", "per_node", "message"),
+    [
+        (1, None, "devices x num_nodes = 1 but the enclosing job has 2 processes"),
+        (2, "1(x2)", "SLURM placed 1(x2) tasks per node on 2 node(s)"),
+    ],
+)
+def test_a_layout_that_does_not_match_the_allocation_is_refused(
+    devices, per_node, message, workdir
+):
+    results = srun([f"trainer.devices={devices}", *ARGS], workdir, per_node=per_node)
+    for code, err in results:
+        assert code == 2, err[-3000:]
+        assert message in err and "Traceback" not in err
+    assert not (workdir / "runs").exists(), "nothing written"
+
+
+def test_slurm_task_counts_are_read_per_node():
+    assert tasks_per_node("2") == [2]
+    assert tasks_per_node("4,2(x2)") == [4, 2, 2]
+    with pytest.raises(ValueError):
+        tasks_per_node("two")
