@@ -43,6 +43,7 @@ class JobView:
 
     task: Any  # the `task` node: _target_, model, data, optimizer, scheduler
     trainer: Any  # the `trainer` node
+    model: Any = None  # the task built on the meta device (no memory, no weights), or None
 
 
 class StrategyPlugin(Protocol):
@@ -172,7 +173,7 @@ def typed_config(module: ModuleType, node: Any, key: str = "") -> Any:
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         return node
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(module.Config), node))
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(module.Config), node))
     except OmegaConfBaseException as err:
         field = getattr(err, "full_key", "") or ""
         where = ".".join(p for p in (key, field) if p) or key or "config"
@@ -181,3 +182,23 @@ def typed_config(module: ModuleType, node: Any, key: str = "") -> Any:
             names = [f.name for f in dataclasses.fields(module.Config)]
             raise ConfigError(where, value, "no such key", names, near=field) from None
         raise ConfigError(where, value, str(err).splitlines()[0].rstrip(".")) from None
+    check_declared(typed, key)
+    return typed
+
+
+def check_declared(cfg: Any, key: str) -> None:
+    """A plugin config's fields against their declared choices and bounds (also for plugins
+    outside the framework, whose schemas Hydra does not know)."""
+    from framework.config.fields import field_choices, out_of_bounds
+
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        where = f"{key}.{f.name}" if key else f.name
+        choices = field_choices(type(cfg), f.name)
+        if choices is not None and value not in choices:
+            raise ConfigError(
+                where, value, "not a valid choice", ["null" if c is None else c for c in choices]
+            )
+        problem = out_of_bounds(type(cfg), f.name, value)
+        if problem:
+            raise ConfigError(where, value, problem)

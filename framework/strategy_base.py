@@ -8,8 +8,9 @@ front of the Lightning class gives that strategy three things the worker relies 
 - resuming from a checkpoint written in another layout or process count (`inputs.move_from`):
   the checkpoint is read as one full state (`framework.portable`) and handed to the strategy's
   own `load_portable(state)`, which copies it into its sharding;
-- samplers bound to the data-parallel coordinates: every `GlobalOrderSampler` of the loaders
-  Lightning prepares takes this rank's (rank, size) among the ranks that read different data.
+- data loaders in one global order (framework.data.order): every loader Lightning prepares gets
+  a `GlobalOrderSampler` bound to this rank's (rank, size) among the ranks that read different
+  data (unless `task.data_order=keep`).
 
 The strategy itself applies `inputs.transforms` (activation checkpointing, compile) to the task's
 blocks at the right point of its setup: after tensor parallelism, before data-parallel wrapping.
@@ -34,6 +35,7 @@ class StrategyInputs:
     transforms: ModelTransforms  # activation checkpointing / compile for the task's blocks
     data_parallel: tuple[int, int] = (0, 1)  # (rank, size) among ranks reading different data
     move_from: Path | None = None  # resume checkpoint written by another layout or world size
+    data_order: str = "global"  # task.data_order: global (framework.data.order) or keep
 
 
 class StrategyBase:
@@ -62,7 +64,9 @@ class StrategyBase:
         return {id(p): n for n, p in self.lightning_module.named_parameters()}  # type: ignore[attr-defined]
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        from framework.data.sampler import bind
+        if self.inputs.data_order == "global":
+            from framework.data.order import in_global_order
 
-        bind(dataloader, *self.inputs.data_parallel)
+            warned = self.__dict__.setdefault("_data_warned", set())
+            dataloader = in_global_order(dataloader, *self.inputs.data_parallel, warned)
         return super().process_dataloader(dataloader)  # type: ignore[misc]

@@ -49,25 +49,37 @@ class TaskModule(pl.LightningModule):
         return self.parameters()
 
     def configure_optimizers(self) -> Any:
-        kwargs = {k: v for k, v in self.optimizer_config.items() if k != "_target_"}
-        if "betas" in kwargs:
-            kwargs["betas"] = tuple(kwargs["betas"])
-        optimizer = get_class(self.optimizer_config["_target_"])(self.param_groups(), **kwargs)
-        sched = self.scheduler_config
-        if sched.get("name", "constant") == "constant" and not sched.get("warmup_steps", 0):
-            return optimizer
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        lr_lambda = schedule(
-            sched.get("name", "constant"),
-            int(sched.get("warmup_steps", 0)),
-            total,
-            float(sched.get("min_lr_ratio", 0.1)),
+        optimizer = self.make_optimizer()
+        scheduler = self.make_scheduler(
+            optimizer, lambda: int(self.trainer.estimated_stepping_batches)
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        if scheduler is None:
+            return optimizer
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer `task.optimizer` names, with its arguments, over `param_groups()`."""
+        kwargs = {k: v for k, v in self.optimizer_config.items() if k != "_target_"}
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        return get_class(self.optimizer_config["_target_"])(self.param_groups(), **kwargs)
+
+    def make_scheduler(self, optimizer, total_steps) -> Any:
+        """The LR schedule `task.scheduler` describes (None: a constant lr, no scheduler);
+        `total_steps()` gives the training's optimizer steps, asked only when needed."""
+        sched = self.scheduler_config
+        if sched.get("name", "constant") == "constant" and not sched.get("warmup_steps", 0):
+            return None
+        lr_lambda = schedule(
+            sched.get("name", "constant"),
+            int(sched.get("warmup_steps", 0)),
+            max(1, total_steps()),
+            float(sched.get("min_lr_ratio", 0.1)),
+        )
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 
 def schedule(name: str, warmup: int, total: int, min_ratio: float):

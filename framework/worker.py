@@ -67,6 +67,7 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
         transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
         data_parallel=data_parallel,
         move_from=resume_from if moved else None,  # written by another layout or world size
+        data_order=cfg.task.data_order,
     )
     strategy = plugin.build(strategy_cfg, world, inputs)
     loggers = [
@@ -76,7 +77,9 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     callbacks = [
         build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]
-    trainer = make_trainer(cfg.trainer, world, strategy, loggers, callbacks, run_dir)
+    # with one global order the strategy distributes the loaders (framework.data.order)
+    own_order = cfg.task.data_order == "global"
+    trainer = make_trainer(cfg.trainer, world, strategy, loggers, callbacks, run_dir, own_order)
     ckpt_path = str(resume_from / STATE_FILE) if resume_from else None
     if resume_from and trainer.is_global_zero:
         log.info("Resuming from %s (step %d)", resume_from, ctx.resume_step)
@@ -90,7 +93,9 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     return trainer
 
 
-def make_trainer(trainer_cfg, world: World, strategy, loggers, callbacks, run_dir: Path) -> Any:
+def make_trainer(
+    trainer_cfg, world: World, strategy, loggers, callbacks, run_dir: Path, own_order: bool
+) -> Any:
     """The lightning.Trainer: the `trainer` settings it takes, and the parts built here."""
     import lightning.pytorch as pl
     import torch
@@ -114,6 +119,7 @@ def make_trainer(trainer_cfg, world: World, strategy, loggers, callbacks, run_di
         callbacks=callbacks,
         enable_checkpointing=False,  # checkpoints come from callbacks.checkpoint
         default_root_dir=str(run_dir),
+        use_distributed_sampler=not own_order,
         **trainer_args,
     )
 

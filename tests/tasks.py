@@ -226,3 +226,53 @@ class TransformProbe(pl.Callback):
         }
         with open(os.path.join(self.out, f"probe-rank{trainer.global_rank}.json"), "w") as fh:
             json.dump(probe, fh)
+
+
+class PlainDigitsData(pl.LightningDataModule):
+    """A data module written the way Lightning's docs teach: its own DataLoader(shuffle=True),
+    nothing from the framework."""
+
+    def __init__(self, batch_size: int = 32) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+        self.batch_size = batch_size
+
+    def setup(self, stage=None) -> None:
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = torch.tensor(x, dtype=torch.float32) / 16.0
+        self.train_set = torch.utils.data.TensorDataset(x, torch.tensor(y))
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+
+class SlowPlainDigits(PlainDigits):
+    """PlainDigits whose steps take `step_sleep` seconds, so a test can kill it mid-run."""
+
+    def __init__(self, hidden: int = 32, lr: float = 0.01, step_sleep: float = 0.05) -> None:
+        super().__init__(hidden=hidden, lr=lr)
+        self.step_sleep = step_sleep
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.step_sleep)
+        return super().training_step(batch, batch_idx)
+
+
+class PlainTwoLayer(pl.LightningModule):
+    """A plain module whose layers are attributes called in forward: no shape the framework can
+    split automatically, and no plan."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, hidden)
+        self.fc2 = nn.Linear(hidden, 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)

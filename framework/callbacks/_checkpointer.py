@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from framework import checkpointing, rng
+from framework.data.order import resumable_part
 from framework.data.sampler import GlobalOrderSampler
 from framework.errors import EXIT_PREEMPTED
 from framework.portable import NAMES_KEY
@@ -50,6 +51,7 @@ class Checkpointer(pl.Callback):
         self.preempted_at: int | None = None
         self._vote = PreemptionVote()
         self.names_recorded = False
+        self.data_state: Any = None  # every rank's stateful sampler or dataset position
 
     @property
     def state_key(self) -> str:
@@ -64,6 +66,7 @@ class Checkpointer(pl.Callback):
             "run_id": self.ctx.run_id,
             "config_hash": self.ctx.config_hash,
             "world_size": self.ctx.world.world_size,
+            "data_state": self.data_state,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -90,12 +93,18 @@ class Checkpointer(pl.Callback):
         if self.restored is not None:
             self.epoch, self.cursor = int(self.restored["epoch"]), int(self.restored["cursor"])
             sampler = _global_order_sampler(trainer)
+            own = resumable_part(trainer.train_dataloader)
             if sampler is not None:
                 sampler.resume_at(self.epoch, self.cursor)
-            elif self.cursor:
+            states = self.restored.get("data_state") or []
+            if own is not None and len(states) == trainer.world_size:
+                own.load_state_dict(states[trainer.global_rank])
+            elif own is not None and states:
                 log.warning(
-                    "No GlobalOrderSampler in the train loader: data position not restored."
+                    "The loader's own state was saved by another process count: not restored."
                 )
+            elif sampler is None and self.cursor:
+                log.warning("The train loader's position could not be restored (see above).")
         if self.cfg.on_preemption:
             for sig in PREEMPT_SIGNALS:  # installed after Lightning's own handlers, replacing them
                 signal.signal(sig, self._on_signal)
@@ -173,6 +182,8 @@ class Checkpointer(pl.Callback):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.rng_states = _gather(rng.capture(), trainer.world_size)
+        own = resumable_part(trainer.train_dataloader)
+        self.data_state = _gather(own.state_dict(), trainer.world_size) if own else None
         trainer.strategy.barrier("checkpoint-dir")
         trainer.save_checkpoint(tmp / STATE_FILE, weights_only=False)
         if trainer.is_global_zero:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from framework.config.fields import doc
-from framework.errors import ConfigError
 
 
 @dataclass
@@ -21,10 +20,10 @@ class Config:
 
     kind: str = doc("checkpoint", "Callback plugin.")
     every_n_steps: int | None = doc(
-        None, "Save every N optimizer steps (None: after each validation)."
+        None, "Save every N optimizer steps (None: after each validation).", min=1
     )
-    keep_last: int = doc(2, "Keep the newest K checkpoints (at least 1).")
-    keep_best: int = doc(1, "Also keep the best K by `monitor` (0: none).")
+    keep_last: int = doc(2, "Keep the newest K checkpoints (at least 1).", min=1)
+    keep_best: int = doc(1, "Also keep the best K by `monitor` (0: none).", min=0)
     monitor: str | None = doc(None, "Metric ranking checkpoints for keep_best, e.g. val/loss.")
     mode: str = doc("min", "Whether a lower or a higher `monitor` value is better.", ("min", "max"))
     save_on_train_end: bool = doc(True, "Also save when training ends between checkpoints.")
@@ -35,12 +34,7 @@ class Config:
 
 
 def validate(cfg: Config, world) -> None:
-    if cfg.every_n_steps is not None and cfg.every_n_steps < 1:
-        raise ConfigError(
-            "callbacks.checkpoint.every_n_steps", cfg.every_n_steps, "must be at least 1 or null"
-        )
-    if cfg.keep_last < 1:
-        raise ConfigError("callbacks.checkpoint.keep_last", cfg.keep_last, "must be at least 1")
+    """The fields' bounds are declared on them; nothing else to check before launch."""
 
 
 def build(cfg: Config, ctx):

@@ -1,4 +1,9 @@
-"""Helpers for schema fields that carry their own one-line description and valid choices."""
+"""Helpers for schema fields that carry their own one-line description, valid choices and bounds.
+
+Bounds are declared next to the field (`doc(1, "...", min=1)`) and checked for every group at
+compose time (framework.config.validate), before anything starts; `None` always passes a bound
+(an optional field that is unset).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,23 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def doc(default: Any, help: str, choices: Sequence[Any] | None = None) -> Any:
-    """A dataclass field with a description (shown by `fw config`) and optional valid choices."""
-    metadata = {"help": help}
+def doc(
+    default: Any,
+    help: str,
+    choices: Sequence[Any] | None = None,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    above: float | None = None,
+) -> Any:
+    """A dataclass field with a description (shown by `fw config`), optional valid choices and
+    optional numeric bounds: `min <= value <= max`, `value > above`."""
+    metadata: dict[str, Any] = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    bounds = {k: v for k, v in (("min", min), ("max", max), ("above", above)) if v is not None}
+    if bounds:
+        metadata["bounds"] = bounds
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: _copy(default), metadata=metadata)
     if dataclasses.is_dataclass(default) and not isinstance(default, type):
@@ -42,4 +59,25 @@ def field_choices(schema: type, name: str) -> tuple[Any, ...] | None:
     for f in dataclasses.fields(schema):
         if f.name == name:
             return f.metadata.get("choices")
+    return None
+
+
+def out_of_bounds(schema: type, name: str, value: Any) -> str | None:
+    """What is wrong with `value` against the field's declared bounds, or None."""
+    bounds = next(
+        (f.metadata.get("bounds") for f in dataclasses.fields(schema) if f.name == name), None
+    )
+    if (
+        not bounds
+        or value is None
+        or isinstance(value, bool)
+        or not isinstance(value, (int, float))
+    ):
+        return None
+    if "min" in bounds and value < bounds["min"]:
+        return f"must be at least {bounds['min']}"
+    if "above" in bounds and value <= bounds["above"]:
+        return f"must be greater than {bounds['above']}"
+    if "max" in bounds and value > bounds["max"]:
+        return f"must be at most {bounds['max']}"
     return None

@@ -23,8 +23,10 @@ class SchedulerConfig:
     """Learning-rate schedule applied by TaskModule.configure_optimizers, stepped every optimizer step."""
 
     name: str = doc("constant", "Shape of the schedule after warm-up.", SCHEDULERS)
-    warmup_steps: int = doc(0, "Steps of linear warm-up from 0 to the optimizer's lr.")
-    min_lr_ratio: float = doc(0.1, "Final lr as a fraction of the peak (cosine and linear).")
+    warmup_steps: int = doc(0, "Steps of linear warm-up from 0 to the optimizer's lr.", min=0)
+    min_lr_ratio: float = doc(
+        0.1, "Final lr as a fraction of the peak (cosine and linear).", min=0, max=1
+    )
 
 
 @dataclass
@@ -45,6 +47,12 @@ class TaskConfig:
     scheduler: SchedulerConfig = doc(
         SchedulerConfig(), "Learning-rate schedule (TaskModule tasks)."
     )
+    data_order: str = doc(
+        "global",
+        "global: plain DataLoaders (shuffle=True/False) get one seeded order for any process "
+        "count, resumed exactly mid-epoch; keep: leave the loaders to Lightning.",
+        ("global", "keep"),
+    )
 
 
 @dataclass
@@ -54,38 +62,50 @@ class TrainerConfig:
     accelerator: str = doc(
         "auto", "Device type; auto picks cuda when present, else cpu.", ACCELERATORS
     )
-    devices: int = doc(1, "Processes (one per device) on each node.")
-    num_nodes: int = doc(1, "Number of machines.")
+    devices: int = doc(1, "Processes (one per device) on each node.", min=1)
+    num_nodes: int = doc(1, "Number of machines.", min=1)
     precision: str = doc("32-true", "Numeric precision of parameters and compute.", PRECISIONS)
-    max_steps: int = doc(-1, "Stop after this many optimizer steps (-1: no step limit).")
+    max_steps: int = doc(-1, "Stop after this many optimizer steps (-1: no step limit).", min=-1)
     max_epochs: int | None = doc(
-        None, "Stop after this many epochs (None: unlimited if max_steps is set, else 1)."
+        None,
+        "Stop after this many epochs (None: unlimited if max_steps is set, else 1; -1: unlimited).",
+        min=-1,
     )
     val_check_interval: Any = doc(
-        None, "Validate every N training batches (int) or fraction of an epoch (float)."
+        None, "Validate every N training batches (int) or fraction of an epoch (float).", above=0
     )
-    check_val_every_n_epoch: int | None = doc(1, "Validate every N epochs (None: by step only).")
+    check_val_every_n_epoch: int | None = doc(
+        1, "Validate every N epochs (None: by step only).", min=1
+    )
     limit_train_batches: Any = doc(
-        None, "Use only this many (int) or this fraction (float) of batches."
+        None, "Use only this many (int) or this fraction (float) of batches.", min=0
     )
     limit_val_batches: Any = doc(
-        None, "Validate on this many (int) or this fraction (float) of batches."
+        None, "Validate on this many (int) or this fraction (float) of batches.", min=0
     )
     num_sanity_val_steps: int = doc(
-        0, "Validation batches run before training to catch bugs early."
+        0, "Validation batches run before training to catch bugs early (-1: all).", min=-1
     )
-    log_every_n_steps: int = doc(10, "Write training metrics every N optimizer steps.")
-    accumulate_grad_batches: int = doc(1, "Batches whose gradients are summed before each step.")
-    gradient_clip_val: float | None = doc(None, "Clip gradients to this value (None: no clipping).")
+    log_every_n_steps: int = doc(10, "Write training metrics every N optimizer steps.", min=1)
+    accumulate_grad_batches: int = doc(
+        1, "Batches whose gradients are summed before each step.", min=1
+    )
+    gradient_clip_val: float | None = doc(
+        None, "Clip gradients to this value (None: no clipping).", above=0
+    )
     gradient_clip_algorithm: str = doc("norm", "How gradients are clipped.", ("norm", "value"))
     deterministic: bool = doc(False, "Use deterministic algorithms (bitwise repeatable runs).")
     benchmark: bool | None = doc(None, "cudnn.benchmark (None: Lightning's default).")
     enable_progress_bar: bool = doc(True, "Show a progress bar on the console (rank 0).")
     enable_model_summary: bool = doc(True, "Print a table of the model's layers at start.")
     overfit_batches: Any = doc(
-        0, "Train and validate on this many batches (int) or fraction (float) only (debugging)."
+        0,
+        "Train and validate on this many batches (int) or fraction (float) only (debugging).",
+        min=0,
     )
-    fast_dev_run: int = doc(0, "Run N train and val batches once, with no logging or checkpoints.")
+    fast_dev_run: int = doc(
+        0, "Run N train and val batches once, with no logging or checkpoints.", min=0
+    )
     profiler: str | None = doc(None, "Lightning profiler.", (None, "simple", "advanced", "pytorch"))
     detect_anomaly: bool = doc(False, "Enable autograd anomaly detection (slow).")
     activation_checkpointing: str = doc(
@@ -121,7 +141,15 @@ class TrainConfig:
     callbacks: dict[str, Any] = doc({}, "Callbacks by name (group `callbacks`).")
     launcher: Any = doc(MISSING, "How processes are started (group `launcher`).")
     run: RunConfig = doc(RunConfig(), "Run directory and name.")
-    seed: int = doc(0, "Seed of every random generator (python, numpy, torch, data order).")
+    seed: int = doc(
+        0,
+        "Seed of every random generator (python, numpy, torch, data order).",
+        min=0,
+        max=2**32 - 1,
+    )
+    extra: dict[str, Any] = doc(
+        {}, "Free-form values of your own (e.g. +extra.note=baseline), kept in config.yaml."
+    )
     resume: str = doc(
         "auto",
         "auto: continue from the newest complete checkpoint in run.dir; never: refuse an existing "

@@ -15,7 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from framework.config.fields import field_choices
+from framework.config.dry_build import dry_build
+from framework.config.fields import field_choices, out_of_bounds
 from framework.errors import ConfigError
 from framework.plugins import JobView, load_plugin, typed_config
 from framework.world import World, cuda_device_count
@@ -25,23 +26,24 @@ NAMED_FAMILIES = ("logger", "callbacks")  # groups whose entries are `name: {kin
 
 def validate(cfg: DictConfig) -> World:
     """Validate a composed config; returns the process layout it asks for."""
-    check_choices(cfg, "")
+    check_fields(cfg, "")
     world = check_world(cfg)
+    check_task(cfg.task)
+    model = dry_build(cfg.task)
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
-    plugin.validate(
-        typed_config(plugin, cfg.strategy, "strategy"), world, JobView(cfg.task, cfg.trainer)
-    )
+    strategy = typed_config(plugin, cfg.strategy, "strategy")
+    plugin.validate(strategy, world, JobView(cfg.task, cfg.trainer, model))
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     launcher.validate(typed_config(launcher, cfg.launcher, "launcher"), world)
     for family in NAMED_FAMILIES:
         for name, entry in (cfg.get(family) or {}).items():
             check_named_entry(family, name, entry, world)
-    check_task(cfg.task)
     return world
 
 
-def check_choices(node: Any, prefix: str) -> None:
-    """Every field that declares valid choices holds one of them, at any depth."""
+def check_fields(node: Any, prefix: str) -> None:
+    """Every field holds one of its declared choices and lies within its declared bounds, at
+    any depth, and a typed node holds no key its schema lacks (a `+key` added to it)."""
     if not isinstance(node, DictConfig):
         return
     schema = OmegaConf.get_type(node)
@@ -49,14 +51,23 @@ def check_choices(node: Any, prefix: str) -> None:
         path = f"{prefix}{key}"
         value = node._get_node(key)._value() if node._get_node(key) is not None else None
         if dataclasses.is_dataclass(schema):
+            names = [f.name for f in dataclasses.fields(schema)]
+            if key not in names:
+                hint = (
+                    f"Values of your own go under `extra`: +extra.{key}=..." if not prefix else None
+                )
+                raise ConfigError(path, value, "no such key", names, hint=hint, near=str(key))
             choices = field_choices(schema, str(key))
             if choices is not None and value not in choices:
                 raise ConfigError(
                     path, value, "not a valid choice", ["null" if c is None else c for c in choices]
                 )
+            problem = out_of_bounds(schema, str(key), value)
+            if problem:
+                raise ConfigError(path, value, problem)
         child = node._get_node(key)
         if isinstance(child, DictConfig):
-            check_choices(child, f"{path}.")
+            check_fields(child, f"{path}.")
 
 
 def check_world(cfg: DictConfig) -> World:

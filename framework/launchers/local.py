@@ -33,10 +33,10 @@ class Config:
     """Start one worker process per device on this machine with torch's elastic launch."""
 
     kind: str = doc("local", "Launcher plugin.")
-    monitor_interval: float = doc(0.1, "Seconds between checks of the workers' health.")
-    shutdown_timeout: int = doc(5, "Seconds the other ranks get to exit after one fails.")
+    monitor_interval: float = doc(0.1, "Seconds between checks of the workers' health.", above=0)
+    shutdown_timeout: int = doc(5, "Seconds the other ranks get to exit after one fails.", min=0)
     processes_per_core: int = doc(
-        2, "On CPU, the most worker processes allowed per core (trainer.devices is checked)."
+        2, "On CPU, the most worker processes allowed per core (trainer.devices is checked).", min=1
     )
     rdzv_endpoint: str = doc("localhost:0", "Rendezvous address (port 0: any free port).")
     start_method: str = doc(

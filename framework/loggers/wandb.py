@@ -32,7 +32,9 @@ class Config:
     tags: list[str] = doc([], "Tags shown in the W&B UI.")
     name: str | None = doc(None, "Display name (None: run.name, else the run directory's name).")
     notes: str | None = doc(None, "A longer description of the run.")
-    init_timeout: float = doc(30.0, "Seconds to wait for the W&B server before going offline.")
+    init_timeout: float = doc(
+        30.0, "Seconds to wait for the W&B server before going offline.", above=0
+    )
 
 
 def validate(cfg: Config, world) -> None:

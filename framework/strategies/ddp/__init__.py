@@ -32,8 +32,8 @@ class Config:
     gradient_as_bucket_view: bool = doc(
         True, "Gradients alias the all-reduce buckets (saves memory)."
     )
-    bucket_cap_mb: int = doc(25, "Size of gradient buckets all-reduced together, in MiB.")
-    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.")
+    bucket_cap_mb: int = doc(25, "Size of gradient buckets all-reduced together, in MiB.", min=1)
+    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:

@@ -35,11 +35,11 @@ class Config:
     )
     nvme_path: str = doc("/local_nvme", "Directory for NVMe offload (a fast local disk).")
     param_persistence_threshold: int = doc(
-        100_000, "Stage 3: parameters with fewer elements stay whole on every process."
+        100_000, "Stage 3: parameters with fewer elements stay whole on every process.", min=0
     )
-    bucket_size: int = doc(200_000_000, "Elements per reduce-scatter / all-gather bucket.")
+    bucket_size: int = doc(200_000_000, "Elements per reduce-scatter / all-gather bucket.", min=1)
     backend: str | None = doc(None, "Collective backend (None: nccl on CUDA, gloo on CPU).")
-    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.")
+    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
     deepspeed_config: dict[str, Any] = doc({}, "Extra DeepSpeed config keys, merged over ours.")
 
 

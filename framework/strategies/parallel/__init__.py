@@ -77,10 +77,13 @@ class Config:
     )
     # pipeline parallel
     schedule: str = doc("1f1b", "Pipeline schedule (pp > 1).", SCHEDULES)
-    microbatches: int = doc(4, "Microbatches each batch is split into (must divide the batch).")
+    microbatches: int = doc(
+        4, "Microbatches each batch is split into (must divide the batch).", min=1
+    )
     virtual_stages: int = doc(
         1,
         "Stages per process: 1 for gpipe and 1f1b, 2 or more for the interleaved ones, 2 for zbv.",
+        min=1,
     )
     split_points: list[str] = doc(
         [],
@@ -96,11 +99,11 @@ class Config:
     trace: bool = doc(
         False, "Save a picture of the executed schedule (pipeline_schedule.png in the run dir)."
     )
-    trace_step: int = doc(3, "The optimizer step whose schedule `trace` draws.")
+    trace_step: int = doc(3, "The optimizer step whose schedule `trace` draws.", min=1)
     backend: str | None = doc(
         None, "Collective backend (None: nccl on CUDA, gloo on CPU).", (None, "gloo", "nccl")
     )
-    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.")
+    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
 
 
 def dims_of(cfg: Config, world_size: int) -> ParallelDims:

@@ -8,10 +8,13 @@ against the pipeline's stages.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 from framework.errors import ConfigError
 from framework.parallel.dims import ParallelDims
+
+log = logging.getLogger("framework.parallel")
 
 
 def plan_syntax(tp_plan: list[str]) -> None:
@@ -50,9 +53,38 @@ def tensor_parallel(cfg: Any, dims: ParallelDims, job: Any) -> None:
             ["full", "none"],
             hint="Use full, or turn off compile or sequence_parallel.",
         )
+    model = model_of(job)
     if cfg.tp_plan:
-        plan_names(cfg.tp_plan, job.task)
+        plan_names(cfg.tp_plan, model)
+    else:
+        some_plan(model, dims.tp)
     tensor_dims(job.task, dims.tp, cfg.sequence_parallel)
+
+
+def some_plan(model, tp: int) -> None:
+    """tp > 1 must split something: the model's own plans, or an automatic one (logged)."""
+    from framework.nn.plan import auto_plan, collect_plan
+
+    if collect_plan(model):
+        return
+    found = auto_plan(model, tp)
+    if not found:
+        name = type(model).__name__
+        raise ConfigError(
+            "strategy.tp",
+            tp,
+            f"{name} has no module with a tensor-parallel plan and no plain shape to split "
+            "automatically (nn.Sequential Linear pairs, nn.Embedding), so every weight would "
+            "stay whole on every rank",
+            hint="Build the model from framework.nn blocks, give a module a tp_plan() method, "
+            "or list the splits in strategy.tp_plan (e.g. 'strategy.tp_plan=[net.0:colwise,"
+            "net.2:rowwise]'); see docs/model_parallel.md.",
+        )
+    log.info(
+        "Tensor parallel: no plan in %s, split automatically: %s",
+        type(model).__name__,
+        ", ".join(f"{k}:{v}" for k, v in found.items()),
+    )
 
 
 def tensor_dims(task: Any, tp: int, sequence_parallel: bool) -> None:
@@ -73,21 +105,22 @@ def tensor_dims(task: Any, tp: int, sequence_parallel: bool) -> None:
             )
 
 
-def meta_task(task_cfg: Any):
-    """The task built on the meta device."""
+def model_of(job: Any):
+    """The task built on the meta device (by the dry build, or here when it could not be)."""
+    if job.model is not None:
+        return job.model
     import torch
 
     from framework.worker import build_task
 
     with torch.device("meta"):
-        return build_task(task_cfg)
+        return build_task(job.task)
 
 
-def plan_names(tp_plan: list[str], task_cfg: Any) -> None:
+def plan_names(tp_plan: list[str], task) -> None:
     """Every `strategy.tp_plan` entry names modules of the task."""
     from framework.nn.plan import matches
 
-    task = meta_task(task_cfg)
     names = [n for n, _ in task.named_modules() if n]
     for entry in tp_plan:
         pattern = str(entry).rpartition(":")[0]
@@ -162,16 +195,17 @@ def pipeline_settings(cfg: Any, dims: ParallelDims, job: Any) -> None:
             "drawing the schedule needs matplotlib, which is not installed",
             hint="pip install matplotlib (the project's `bench` extra), or leave trace off.",
         )
-    layers(cfg, dims, job.task)
+    layers(cfg, dims, job)
 
 
-def layers(cfg: Any, dims: ParallelDims, task_cfg: Any) -> None:
+def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
     """Cut the meta-device task as the workers will: a loss, enough layers, valid split points,
     and no weight FSDP would have to shard twice."""
     from framework.nn import pipeline
     from framework.task import TaskModule
 
-    task = meta_task(task_cfg)
+    task = model_of(job)
+    task_cfg = job.task
     name = type(task).__name__
     n_stages = dims.pp * cfg.virtual_stages
     if not hasattr(task, "loss") or type(task).loss is TaskModule.loss:

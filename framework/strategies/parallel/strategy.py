@@ -78,7 +78,7 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         task = self.lightning_module
         cut = self.cut_stages(task, trainer) if self.dims.pp > 1 else None
         tensor = TensorParallelSettings(
-            plan=dict(str(e).rsplit(":", 1) for e in self.cfg.tp_plan),
+            plan=self.tensor_plan(task),
             sequence_parallel=self.cfg.sequence_parallel,
             loss_parallel=self.cfg.loss_parallel and cut is None,  # logits whole on a last stage
         )
@@ -94,6 +94,16 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         if self.pipeline is not None:
             self.pipeline.start(modules, task)
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # over every stage
+
+    def tensor_plan(self, task) -> dict[str, str]:
+        """The config's plan entries; for a model with no plans of its own and none given, the
+        automatic plan of plain shapes (checked before launch to exist)."""
+        from framework.nn.plan import auto_plan, collect_plan
+
+        given = dict(str(e).rsplit(":", 1) for e in self.cfg.tp_plan)
+        if given or self.dims.tp == 1 or collect_plan(task):
+            return given
+        return auto_plan(task, self.dims.tp)
 
     def cut_stages(self, task, trainer) -> StageCut:
         cfg = self.cfg
