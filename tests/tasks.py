@@ -276,3 +276,43 @@ class PlainTwoLayer(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LocalShapes(pl.Callback):
+    """Writes each rank's local shape of every parameter (a DTensor's shard) at the end."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+
+        shapes = {
+            n: list(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+            for n, p in pl_module.named_parameters()
+        }
+        with open(os.path.join(self.out, f"shapes-rank{trainer.global_rank}.json"), "w") as fh:
+            json.dump(shapes, fh)
+
+
+class EvenFirstSampler(torch.utils.data.Sampler):
+    """A custom sampler: even indices, then odd ones."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter([*range(0, self.n, 2), *range(1, self.n, 2)])
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class CustomSamplerDigits(PlainDigitsData):
+    """PlainDigitsData with a custom sampler (its position cannot be saved)."""
+
+    def train_dataloader(self):
+        sampler = EvenFirstSampler(len(self.train_set))
+        return torch.utils.data.DataLoader(
+            self.train_set, batch_size=self.batch_size, sampler=sampler
+        )
