@@ -78,6 +78,36 @@ def launch(command, devices: int) -> tuple[float, float]:
         return float(first_step.read_text()), total
 
 
+DRY_BUILD = """
+import sys, time
+from omegaconf import OmegaConf
+from framework.config.compose import compose_config
+from framework.config.dry_build import dry_build
+from framework.config.validate import check_task
+cfg = compose_config(sys.argv[1:])
+OmegaConf.resolve(cfg)
+check_task(cfg.task)  # what validation imported and checked before the dry build existed
+t0 = time.perf_counter()
+dry_build(cfg.task)
+print(time.perf_counter() - t0)
+"""
+
+
+def dry_build_seconds(overrides: list[str]) -> float:
+    """Seconds the dry build adds to `fw train`'s validation (median of REPEATS fresh processes)."""
+    times = []
+    for _ in range(REPEATS):
+        out = subprocess.run(
+            [sys.executable, "-c", DRY_BUILD, *overrides],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        times.append(float(out.stdout.strip().splitlines()[-1]))
+    return statistics.median(times)
+
+
 def main() -> None:
     load_at_start = load_average()
     runs: dict[str, list[tuple[float, float]]] = {}
@@ -105,6 +135,11 @@ def main() -> None:
         f"({defaults - first['plain_1']:+.2f} s vs plain)"
     )
     print(f"target: fw - plain <= {TARGET_DIFFERENCE_S} s (seconds to the first training step)")
+    dry = {name: dry_build_seconds(o) for name, o in (("digits", []), ("gpt", ["task=gpt"]))}
+    print(
+        "of which the dry build (task on the meta device, data module, optimizer, schedule): "
+        + ", ".join(f"{k} {v:.3f} s" for k, v in dry.items())
+    )
     results = {
         "task": "digits",
         "repeats": REPEATS,
@@ -113,6 +148,7 @@ def main() -> None:
         "best_first_step_s": best,
         "total_s": total,
         "difference_s": {n: first[f"fw_{n}"] - first[f"plain_{n}"] for n in DEVICES},
+        "dry_build_s": dry,
         "runs_first_step_and_total_s": runs,
     }
     save_results("startup", results, load_at_start)
