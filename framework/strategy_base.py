@@ -8,6 +8,8 @@ front of the Lightning class gives that strategy three things the worker relies 
 - resuming from a checkpoint written in another layout or process count (`inputs.move_from`):
   the checkpoint is read as one full state (`framework.portable`) and handed to the strategy's
   own `load_portable(state)`, which copies it into its sharding;
+- the once-per-optimizer-step work after the last backward of a step (`before_optimizer_step`:
+  mixture-of-experts load balancing, and each strategy's own gradient work);
 - data loaders in one global order (framework.data.order): every loader Lightning prepares gets
   a `GlobalOrderSampler` bound to this rank's (rank, size) among the ranks that read different
   data (unless `task.data_order=keep`).
@@ -62,6 +64,25 @@ class StrategyBase:
 
     def parameter_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.lightning_module.named_parameters()}  # type: ignore[attr-defined]
+
+    def data_group(self) -> Any:
+        """The process group of the ranks that read different data (None: all processes)."""
+        return None
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_prepare(*args: Any, **kw: Any) -> Any:
+            result = closure(*args, **kw)
+            self.before_optimizer_step()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_prepare, model, **kwargs)  # type: ignore[misc]
+
+    def before_optimizer_step(self) -> None:
+        """Once per optimizer step, after the last backward of the step: the mixture-of-experts
+        routers move their expert bias towards equal load (counts summed over the data ranks)."""
+        from framework.parallel.experts import balance_routers
+
+        balance_routers(self.lightning_module, self.data_group())  # type: ignore[attr-defined]
 
     def process_dataloader(self, dataloader: Any) -> Any:
         if self.inputs.data_order == "global":

@@ -2,7 +2,8 @@
 
 `ParallelDims` holds the degrees `pp` (pipeline), `dp` (replicated data), `fsdp` (sharded data),
 `tp` (tensor) and `ep` (expert). The first four multiply to the number of processes; `ep` does not
-add processes: it borrows its ranks from `fsdp x tp`, as torchtitan's expert parallel does.
+add processes: it borrows its ranks from `fsdp`. (Tensor-parallel ranks hold the same tokens, so
+they keep whole experts and are not borrowed: each of them runs the same expert computation.)
 
 The processes form one mesh, outermost first (pp, dp, fsdp, tp): tensor parallel is innermost
 (neighbouring ranks, the fastest links), pipeline outermost (the fewest bytes). Every part of the
@@ -14,11 +15,11 @@ framework takes the view it needs from that one mesh by name:
 | `dp`, `fsdp` | dp, fsdp | FSDP2 (replicate x shard: hybrid when both are above 1) |
 | `tp` | tp | tensor-parallel plans |
 | `data` | dp x fsdp, flattened | samplers and loss averaging: ranks that read different data |
-| `ep` | (fsdp ranks borrowed) x tp, flattened | expert parallel (when ep > 1) |
+| `ep` | the fsdp ranks borrowed | expert parallel (when ep > 1): experts split over it |
+| `efsdp` | dp x (fsdp / ep), flattened | the ranks holding the same experts (their gradients are summed) |
 
-With ep > 1 the fsdp dimension is factored into `fsdp_out x fsdp_in` (fsdp_in = ep / tp) so that
-`ep = fsdp_in x tp`; the `fsdp` view is then those two flattened, and experts are sharded over
-`efsdp` = dp x fsdp_out. The degrees are plain integers: everything except `build_mesh` runs
+With ep > 1 the fsdp dimension is factored into `fsdp_out x ep` (neighbouring fsdp ranks form an
+expert-parallel group); the `fsdp` view is then those two flattened. The degrees are plain integers: everything except `build_mesh` runs
 without torch (in the `fw` process, before launch).
 """
 
@@ -79,27 +80,22 @@ class ParallelDims:
 
     @classmethod
     def fit(cls, degrees: Mapping[str, int], world_size: int) -> ParallelDims:
-        """Resolve `degrees` (pp, dp, fsdp, tp: one may be -1; ep: -1 means fsdp x tp) against
+        """Resolve `degrees` (pp, dp, fsdp, tp: one may be -1; ep: -1 means all of fsdp) against
         the process count; ConfigError naming the key when they do not fit."""
         found = fit_degrees({k: degrees.get(k, 1) for k in ORDER}, world_size)
         ep = int(degrees.get("ep", 1))
-        borrowable = found["fsdp"] * found["tp"]
         if ep == -1:
-            ep = borrowable
+            ep = found["fsdp"]
         if ep < 1:
-            raise ConfigError("strategy.ep", ep, "must be at least 1, or -1 for fsdp x tp")
-        if ep > 1 and (ep % found["tp"] or found["fsdp"] % (ep // found["tp"])):
+            raise ConfigError("strategy.ep", ep, "must be at least 1, or -1 for all of fsdp")
+        if found["fsdp"] % ep:
             raise ConfigError(
                 "strategy.ep",
                 ep,
-                f"expert parallel borrows its ranks from fsdp x tp = {found['fsdp']} x "
-                f"{found['tp']}: ep must be a multiple of tp={found['tp']} that divides "
-                f"{borrowable}",
-                [
-                    d
-                    for d in range(found["tp"], borrowable + 1)
-                    if borrowable % d == 0 and d % found["tp"] == 0
-                ],
+                f"expert parallel borrows its ranks from the fsdp degree ({found['fsdp']}), "
+                "which it must divide",
+                [d for d in range(1, found["fsdp"] + 1) if found["fsdp"] % d == 0],
+                hint="Raise strategy.fsdp (e.g. strategy.fsdp=-1), or lower strategy.ep.",
             )
         return cls(**found, ep=ep)
 
@@ -131,18 +127,16 @@ class ParallelDims:
         if self.ep == 1:
             dims = [(n, getattr(self, n)) for n in ORDER]
             return dims, {"data": ("dp", "fsdp")}
-        inner = self.ep // self.tp  # fsdp ranks lent to expert parallel
         dims = [
             ("pp", self.pp),
             ("dp", self.dp),
-            ("fsdp_out", self.fsdp // inner),
-            ("fsdp_in", inner),
+            ("fsdp_out", self.fsdp // self.ep),
+            ("ep", self.ep),
             ("tp", self.tp),
         ]
         views = {
-            "fsdp": ("fsdp_out", "fsdp_in"),
-            "data": ("dp", "fsdp_out", "fsdp_in"),
-            "ep": ("fsdp_in", "tp"),
+            "fsdp": ("fsdp_out", "ep"),
+            "data": ("dp", "fsdp_out", "ep"),
             "efsdp": ("dp", "fsdp_out"),
         }
         return dims, views

@@ -71,10 +71,15 @@ def fully_shard_kwargs(mesh, settings: FSDPSettings) -> dict:
 
 
 def apply_fsdp(
-    task: nn.Module, mesh, settings: FSDPSettings, roots: list[nn.Module] | None = None
+    task: nn.Module,
+    mesh,
+    settings: FSDPSettings,
+    roots: list[nn.Module] | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> list[nn.Module]:
     """Shard `task` in place over `mesh` (1-D: shard; 2-D: replicate x shard). With `roots`
-    (pipeline stages), the blocks inside them and then each root; returns the units."""
+    (pipeline stages), the blocks inside them and then each root; `ignored` parameters (expert
+    parallel's) are left whole. Returns the units."""
     from torch.distributed.fsdp import fully_shard
 
     if roots is None:
@@ -90,6 +95,8 @@ def apply_fsdp(
         ]
         chosen = sorted(inner, key=lambda m: -depth[m]) + list(roots)
     kwargs = fully_shard_kwargs(mesh, settings)
+    if ignored:
+        kwargs["ignored_params"] = set(ignored)
     for module in chosen:
         fully_shard(module, **kwargs)
     return chosen

@@ -2,9 +2,12 @@
 
 1. pipeline cut (pp > 1): this rank keeps only its stages' layers;
 2. tensor-parallel plans on the `tp` view (tp > 1);
-3. activation checkpointing and compile, per block;
-4. FSDP2 over the data views (dp x fsdp > 1): shard over `fsdp`, replicate over `dp` (hybrid
-   when both are above 1), with the pipeline stages as roots under a pipeline.
+3. expert parallel on the `ep` view (ep > 1): each rank keeps its share of every MoE layer's
+   experts (framework/parallel/experts.py);
+4. activation checkpointing and compile, per block;
+5. FSDP2 over the data views (dp x fsdp > 1): shard over `fsdp`, replicate over `dp` (hybrid
+   when both are above 1), with the pipeline stages as roots under a pipeline; the experts of
+   step 3 are left to expert parallel.
 
 Every rank builds the whole model from the seed before this (initial weights are one process's),
 and no step renames a module or parameter, so checkpoints of any layout read back by name.
@@ -54,6 +57,8 @@ def parallelize(
     cut: StageCut | None = None,
 ) -> dict[int, nn.Module]:
     """Make `task` parallel in place; returns this rank's stage modules by id (pp > 1), else {}."""
+    from framework.parallel.experts import apply_expert_parallel
+
     if cut is not None:
         kept = [layer for s in cut.mine for layer in cut.layers(s)]
         pipeline.keep_only(task, cut.chain, kept)
@@ -65,9 +70,10 @@ def parallelize(
             sequence_parallel=tensor.sequence_parallel,
             loss_parallel=tensor.loss_parallel,
         )
+    experts = apply_expert_parallel(task, mesh["ep"]) if dims.ep > 1 else set()
     transforms.apply(task)
     stages = {s: pipeline.Stage(task, cut.layers(s)) for s in cut.mine} if cut else {}
     if dims.data_size > 1:
         data = mesh[("dp", "fsdp")] if dims.dp > 1 else mesh["fsdp"]
-        apply_fsdp(task, data, fsdp, roots=list(stages.values()) if cut else None)
+        apply_fsdp(task, data, fsdp, roots=list(stages.values()) if cut else None, ignored=experts)
     return stages

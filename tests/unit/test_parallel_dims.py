@@ -13,7 +13,7 @@ from framework.parallel.dims import ParallelDims
 
 def test_one_degree_takes_the_rest():
     assert ParallelDims.fit({"pp": 2, "fsdp": -1, "tp": 2}, 8) == ParallelDims(2, 1, 2, 2, 1)
-    assert ParallelDims.fit({"fsdp": -1, "ep": -1}, 4).ep == 4  # ep borrows fsdp x tp
+    assert ParallelDims.fit({"fsdp": -1, "ep": -1}, 4).ep == 4  # ep borrows all of fsdp
 
 
 @pytest.mark.parametrize(
@@ -23,8 +23,8 @@ def test_one_degree_takes_the_rest():
         ({"pp": 3, "fsdp": -1}, 4, "the other degrees multiply to 3, which does not divide the 4"),
         ({"pp": 2, "tp": 3}, 4, "the degrees multiply to 6, but the job has 4 processes"),
         ({"tp": 0}, 4, "strategy.tp=0: must be at least 1, or -1 for the rest"),
-        ({"fsdp": 2, "tp": 2, "ep": 3}, 4, "ep must be a multiple of tp=2 that divides 4"),
-        ({"fsdp": 4, "ep": 8}, 4, "Valid choices: 1, 2, 4"),
+        ({"fsdp": 2, "tp": 2, "ep": 4}, 4, "borrows its ranks from the fsdp degree (2)"),
+        ({"fsdp": 4, "ep": 3}, 4, "Valid choices: 1, 2, 4"),
     ],
 )
 def test_degrees_that_do_not_fit_are_config_errors(degrees, world, message):
@@ -39,8 +39,8 @@ def ranks_of(mesh) -> list[int]:
 
 @pytest.mark.parametrize(
     "dims",
-    [ParallelDims(pp=2, dp=1, fsdp=2, tp=2), ParallelDims(pp=1, dp=2, fsdp=2, tp=2, ep=4)],
-    ids=["pp2-fsdp2-tp2", "dp2-fsdp2-tp2-ep4"],
+    [ParallelDims(pp=2, dp=1, fsdp=2, tp=2), ParallelDims(pp=1, dp=2, fsdp=4, tp=1, ep=2)],
+    ids=["pp2-fsdp2-tp2", "dp2-fsdp4-ep2"],
 )
 def test_the_mesh_views_match_the_arithmetic_coordinates(dims):
     for rank in range(dims.world_size):
@@ -64,8 +64,9 @@ def test_the_mesh_views_match_the_arithmetic_coordinates(dims):
             if dims.ep > 1:
                 ep = mesh["ep"]
                 assert ep.size() == dims.ep
-                # ep borrows fsdp x tp: its ranks share pp and dp with this one
-                assert {dims.coordinates(r)["dp"] for r in ranks_of(ep)} == {coords["dp"]}
-                assert mesh["efsdp"].size() * dims.ep == dims.data_size * dims.tp
+                # ep borrows fsdp ranks: its ranks share pp, dp and tp with this one
+                for name in ("pp", "dp", "tp"):
+                    assert {dims.coordinates(r)[name] for r in ranks_of(ep)} == {coords[name]}
+                assert mesh["efsdp"].size() * dims.ep == dims.data_size
         finally:
             dist.destroy_process_group()

@@ -41,9 +41,18 @@ class Config:
     backend: str | None = doc(None, "Collective backend (None: nccl on CUDA, gloo on CPU).")
     timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
     deepspeed_config: dict[str, Any] = doc({}, "Extra DeepSpeed config keys, merged over ours.")
+    ep: int = doc(1, "Expert-parallel degree: only 1 under ZeRO (use strategy=expert or fsdp).")
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:
+    if cfg.ep != 1:
+        raise ConfigError(
+            "strategy.ep",
+            cfg.ep,
+            "expert parallel is not offered on DeepSpeed ZeRO",
+            [1],
+            hint="Use strategy=expert, or strategy=fsdp strategy.ep=N (FSDP2 with expert parallel).",
+        )
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(
             "strategy",

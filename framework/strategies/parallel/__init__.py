@@ -1,10 +1,11 @@
-"""`strategy=fsdp|tensor|fsdp_tp|pipeline`, or any degrees: pipeline, data, sharded-data and tensor
-parallel on one DeviceMesh (expert parallel has its degree reserved: `ep` must be 1 for now).
+"""`strategy=fsdp|tensor|fsdp_tp|pipeline|expert`, or any degrees: pipeline, data, sharded-data,
+tensor and expert parallel on one DeviceMesh.
 
 The degrees `pp`, `dp`, `fsdp` and `tp` multiply to the number of processes; one of them may be -1
 ("the rest"). The presets only set degrees: `fsdp` is `fsdp: -1`, `tensor` is `tp: -1`, `fsdp_tp`
 is `fsdp: -1, tp: 2`, `pipeline` is `pp: -1`; any other mix is written with the degrees, e.g.
-`strategy=pipeline strategy.pp=2 strategy.fsdp=2`. One `ParallelDims` builds one mesh
+`strategy=pipeline strategy.pp=2 strategy.fsdp=2`; `expert` is `fsdp: -1, ep: -1` (the experts
+of mixture-of-experts layers split over all processes). One `ParallelDims` builds one mesh
 (framework/parallel/dims.py) and one `parallelize` applies, in this order: the pipeline cut,
 tensor-parallel plans, activation checkpointing / compile, FSDP2 over the data ranks
 (framework/parallel/parallelize.py).
@@ -46,7 +47,11 @@ class Config:
     dp: int = doc(1, "Replicated data-parallel degree (-1: the processes left over).")
     fsdp: int = doc(1, "Sharded data-parallel degree, FSDP2 (-1: the processes left over).")
     tp: int = doc(1, "Tensor-parallel degree (-1: the processes left over).")
-    ep: int = doc(1, "Expert-parallel degree (reserved: must be 1 until MoE blocks exist).")
+    ep: int = doc(
+        1,
+        "Expert-parallel degree: MoE experts split over this many of the fsdp ranks "
+        "(-1: all of them).",
+    )
     # FSDP2
     reshard_after_forward: bool = doc(True, "FSDP: free gathered parameters after forward.")
     param_dtype: str | None = doc(
@@ -108,17 +113,9 @@ class Config:
 
 def dims_of(cfg: Config, world_size: int) -> ParallelDims:
     """The resolved degrees; ConfigError when they do not fit the processes."""
-    dims = ParallelDims.fit(
+    return ParallelDims.fit(
         {k: getattr(cfg, k) for k in ("pp", "dp", "fsdp", "tp", "ep")}, world_size
     )
-    if dims.ep != 1:
-        raise ConfigError(
-            "strategy.ep",
-            cfg.ep,
-            "expert parallelism is not built yet (it needs mixture-of-experts blocks)",
-            [1],
-        )
-    return dims
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:
@@ -145,6 +142,7 @@ def validate(cfg: Config, world: World, job: Any) -> None:
         checks.pipeline_settings(cfg, dims, job)
     if dims.tp > 1:
         checks.tensor_parallel(cfg, dims, job)
+    checks.experts(cfg, dims, job)
 
 
 def warn_unused(cfg: Config, dims: ParallelDims) -> None:

@@ -262,3 +262,47 @@ def split_points(cfg: Any, chain: list, n_stages: int, name: str) -> None:
         ) from None
     except ValueError as err:
         raise ConfigError("strategy.split_points", list(cfg.split_points), str(err)) from None
+
+
+def experts(cfg: Any, dims: ParallelDims, job: Any) -> None:
+    """ep > 1 needs mixture-of-experts layers whose experts split evenly; MoE losses and
+    sequence parallel are checked against the layout."""
+    from framework.parallel.experts import moe_layers
+
+    layers = (
+        moe_layers(model_of(job)) if (dims.ep > 1 or dims.pp > 1 or cfg.sequence_parallel) else []
+    )
+    if dims.ep > 1 and not layers:
+        raise ConfigError(
+            "strategy.ep",
+            cfg.ep,
+            f"{type(model_of(job)).__name__} has no mixture-of-experts layer "
+            "(framework.nn.MoE), so there are no experts to split",
+            [1],
+            hint="Build the model's MLPs from framework.nn.MoE (see recipes/moe_gpt), or use ep=1.",
+        )
+    for layer in layers:
+        if dims.ep > 1 and layer.num_experts % dims.ep:
+            raise ConfigError(
+                "strategy.ep",
+                dims.ep,
+                f"the model's {layer.num_experts} experts per layer do not split evenly over it",
+                [d for d in range(1, layer.num_experts + 1) if layer.num_experts % d == 0],
+            )
+        router = layer.router
+        if dims.pp > 1 and (router.aux_loss_coeff or router.z_loss_coeff):
+            raise ConfigError(
+                "strategy.pp",
+                dims.pp,
+                "the routers' auxiliary losses (aux_loss_coeff, z_loss_coeff) are added to the "
+                "task's loss, which under a pipeline sees only the last stage",
+                hint="Set the coefficients to 0 (the expert bias balances the load), or pp=1.",
+            )
+    if layers and cfg.sequence_parallel:
+        raise ConfigError(
+            "strategy.sequence_parallel",
+            True,
+            "mixture-of-experts layers run on whole sequences: their experts are not split over "
+            "the tensor-parallel ranks",
+            ["false"],
+        )

@@ -1,0 +1,276 @@
+"""Mixture-of-experts blocks: a top-k router, stacked experts, token dispatch (local or all-to-all
+over the expert-parallel ranks) and a transformer block that uses them.
+
+A model built from these runs unchanged under any expert-parallel degree: the parallel strategy
+gives every `MoE` module its expert-parallel process group (`MoE.set_expert_parallel`) and keeps
+only this rank's experts; the routing, the numbers of tokens per expert and the expert bias are
+the same for any degree, so are the losses (dropless routing, fp32 scores).
+
+- `TopKRouter`: scores in fp32 (softmax or sigmoid), top-k experts per token. An optional expert
+  bias only *selects* experts (the gate weights come from the unbiased scores), updated once per
+  optimizer step towards equal load (DeepSeek-V3's auxiliary-loss-free balancing); optional
+  Switch-style load-balancing loss and router z-loss.
+- `GroupedExperts`: E SwiGLU experts with weights stacked `(E, ...)`; the expert GEMMs run through
+  `torch.nn.functional.grouped_mm` where dtype and strides allow it, else expert by expert.
+- `MoE`: router + experts (+ optional shared experts), dropless by default, or with a capacity
+  per expert (`capacity_factor`) beyond which tokens are dropped (they pass through as zeros).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.nn.blocks import Attention, LayerNorm
+
+SCORES = ("softmax", "sigmoid")
+GEMMS = ("auto", "grouped", "loop")
+
+
+def in_recompute() -> bool:
+    """Whether this forward runs inside a backward pass (activation checkpointing's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class TopKRouter(nn.Module):
+    """Top-k expert choice per token, from fp32 scores; keeps what balancing and metrics need."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int = 2,
+        score: str = "softmax",
+        bias_update_rate: float = 0.0,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+        if score not in SCORES:
+            raise ValueError(f"score={score!r} is not one of {SCORES}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score = score
+        self.bias_update_rate = bias_update_rate
+        self.aux_loss_coeff = aux_loss_coeff
+        self.z_loss_coeff = z_loss_coeff
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        # selects experts only; moved towards equal load once per optimizer step (checkpointed)
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        # tokens routed to each expert since the last optimizer step (this rank's tokens)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.aux_loss = torch.zeros(())
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate weights [T, k] in fp32, expert ids [T, k]) for tokens x [T, dim]."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.score == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).float()
+        if self.training and torch.is_grad_enabled() and not in_recompute():
+            self.tokens_per_expert += counts  # once per token, also under recompute
+            self.stats = {
+                "counts": counts,
+                "entropy": -(scores * scores.clamp_min(1e-20).log()).sum(-1).mean().detach(),
+            }
+        self.aux_loss = self.balance_loss(logits, scores, counts)
+        return weights, chosen
+
+    def balance_loss(self, logits, scores, counts) -> torch.Tensor:
+        """Switch-style load-balancing loss plus router z-loss, with their coefficients (0: off)."""
+        loss = torch.zeros((), device=logits.device)
+        if self.aux_loss_coeff:
+            share = counts / counts.sum().clamp_min(1.0)  # f_e: fraction of assignments
+            probability = (scores / scores.sum(-1, keepdim=True)).mean(0)  # P_e
+            loss = loss + self.aux_loss_coeff * self.num_experts * (share * probability).sum()
+        if self.z_loss_coeff:
+            loss = loss + self.z_loss_coeff * torch.logsumexp(logits, -1).pow(2).mean()
+        return loss
+
+    @torch.no_grad()
+    def update_bias(self, global_counts: torch.Tensor) -> None:
+        """bias += rate * sign(mean load - load): under-used experts get picked more often."""
+        if self.bias_update_rate:
+            self.expert_bias += self.bias_update_rate * torch.sign(
+                global_counts.mean() - global_counts
+            )
+        self.tokens_per_expert.zero_()
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden), stacked."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, gemm: str = "auto") -> None:
+        super().__init__()
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm={gemm!r} is not one of {GEMMS}")
+        self.num_experts = num_experts
+        self.gemm = gemm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.normal_(w, std=0.02)
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        """grouped_mm where it runs: fp32 or bf16, rows whose byte strides divide by 16."""
+        if self.gemm != "auto":
+            return self.gemm == "grouped"
+        size = x.element_size()
+        dims = (self.w1.shape[-1], self.w1.shape[-2])
+        return x.dtype in (torch.float32, torch.bfloat16) and all(d * size % 16 == 0 for d in dims)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of x sorted by expert, `counts[e]` rows for this rank's expert e."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        if self.use_grouped(x):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):
+            h = F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())
+            outs.append(h @ w2[e].t())
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class MoE(nn.Module):
+    """Router + experts (+ shared experts): y = shared(x) + sum over the k chosen e of w_e E_e(x)."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int = 8,
+        top_k: int = 2,
+        shared_experts: int = 0,
+        score: str = "softmax",
+        capacity_factor: float | None = None,
+        bias_update_rate: float = 1e-3,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        gemm: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.capacity_factor = capacity_factor
+        self.router = TopKRouter(
+            dim, num_experts, top_k, score, bias_update_rate, aux_loss_coeff, z_loss_coeff
+        )
+        self.experts = GroupedExperts(dim, hidden, num_experts, gemm)
+        self.shared = SwiGLU(dim, hidden * shared_experts) if shared_experts else None
+        self.ep_group = None  # expert-parallel process group (None: every expert here)
+        self.ep_size = 1
+        self.ep_rank = 0
+        self.dropped = torch.zeros(())
+        self.rows_sent = 0
+
+    def set_expert_parallel(self, group, size: int, rank: int) -> None:
+        """Run this rank's experts E/size * rank ... and exchange tokens over `group`."""
+        if self.num_experts % size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep={size}")
+        self.ep_group, self.ep_size, self.ep_rank = group, size, rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat)
+        k = chosen.shape[-1]
+        expert_of = chosen.flatten()
+        order = torch.argsort(expert_of, stable=True)
+        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        keep = self.capacity_mask(expert_of[order], counts)
+        if keep is not None:
+            order = order[keep]
+            counts = torch.bincount(expert_of[order], minlength=self.num_experts)
+        rows = flat[order // k]
+        out_rows = self.run_experts(rows, counts)
+        combined = flat.new_zeros(expert_of.numel(), flat.shape[-1], dtype=out_rows.dtype)
+        combined[order] = out_rows
+        y = (combined.view(-1, k, flat.shape[-1]).float() * weights.unsqueeze(-1)).sum(1)
+        y = y.to(x.dtype)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view_as(x)
+
+    def capacity_mask(self, sorted_experts: torch.Tensor, counts: torch.Tensor):
+        """With a capacity factor: which of the expert-sorted assignments fit (None: all)."""
+        if self.capacity_factor is None:
+            self.dropped = torch.zeros(())
+            return None
+        total = sorted_experts.numel()
+        capacity = math.ceil(self.capacity_factor * total / self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(total, device=counts.device) - starts[sorted_experts]
+        keep = position < capacity
+        self.dropped = (1.0 - keep.float().mean()).detach()
+        return keep
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert -> their expert outputs (all-to-all under ep > 1)."""
+        if self.ep_size == 1:
+            self.rows_sent = 0
+            return self.experts(rows, counts)
+        from torch.distributed._functional_collectives import all_to_all_single
+
+        local = self.num_experts // self.ep_size
+        send = counts.view(self.ep_size, local).sum(1).tolist()
+        received = all_to_all_single(counts, None, None, self.ep_group).view(self.ep_size, local)
+        recv = received.sum(1).tolist()
+        inbound = all_to_all_single(rows, recv, send, self.ep_group)
+        # received rows come grouped by source rank, then expert: regroup them by expert
+        expert_of = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(self.ep_size), received.flatten()
+        )
+        regroup = torch.argsort(expert_of, stable=True)
+        done = self.experts(inbound[regroup], received.sum(0))
+        back = torch.empty_like(done)
+        back[regroup] = done
+        self.rows_sent = sum(send) - send[self.ep_rank]
+        return all_to_all_single(back, send, recv, self.ep_group)
+
+
+class SwiGLU(nn.Module):
+    """The shared expert: silu(x w1) * (x w3) then w2."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoETransformerBlock(nn.Module):
+    """Pre-norm block whose MLP is a mixture of experts: x + attn(ln1(x)), then x + moe(ln2(x)).
+
+    Attention is split by heads under tensor parallel as in TransformerBlock; the experts are not
+    tensor-split (each tensor-parallel rank runs them whole), they are split over `ep`.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, moe: dict[str, Any], dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln1 = LayerNorm(n_embd)
+        self.attn = Attention(n_embd, n_head, dropout)
+        self.ln2 = LayerNorm(n_embd)
+        self.moe = MoE(n_embd, **moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.moe(self.ln2(x))

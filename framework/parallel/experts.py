@@ -1,0 +1,74 @@
+"""Expert parallel: each rank of the `ep` view keeps E/ep of every MoE layer's experts, and the
+routers' load is balanced once per optimizer step.
+
+The stacked expert weights become DTensors sharded on dim 0 (the expert dimension) over the
+`ep` view, so checkpoints hold them whole, by name, for any ep. Every rank built the whole model
+from the seed, so each takes its slice without communication. FSDP leaves them alone (they are
+its `ignored_params`): a rank's expert gradient sums what every rank of its ep group routed to
+it, so after backward it is summed over `efsdp` (the ranks holding the same experts) and divided
+by the number of data-parallel ranks. That makes it the gradient of the global mean loss, the
+same for any ep (the trap DeepSpeed #5618 describes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The mixture-of-experts layers of a model (framework.nn.moe.MoE), in module order."""
+    from framework.nn.moe import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> set[nn.Parameter]:
+    """Keep this rank's experts of every MoE layer (as Shard(0) DTensors over `ep_mesh`) and give
+    each layer its all-to-all group; returns the expert parameters (for FSDP to ignore)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    experts: set[nn.Parameter] = set()
+    for moe in moe_layers(model):
+        moe.set_expert_parallel(ep_mesh.get_group(), size, rank)
+        for name in EXPERT_WEIGHTS:
+            full = getattr(moe.experts, name)
+            mine = full.detach().chunk(size, dim=0)[rank].clone()
+            param = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False))
+            setattr(moe.experts, name, param)
+            experts.add(param)
+    return experts
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [getattr(m.experts, n) for m in moe_layers(model) for n in EXPERT_WEIGHTS]
+
+
+def sync_expert_gradients(params: list[nn.Parameter], replicas, data_size: int) -> None:
+    """Sum expert gradients over the ranks holding the same experts (`replicas`: a process group,
+    None when there is one), then divide by the data-parallel size."""
+    for p in params:
+        if p.grad is None:
+            continue
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if replicas is not None:
+            dist.all_reduce(grad, group=replicas)
+        grad.div_(data_size)
+
+
+@torch.no_grad()
+def balance_routers(model: nn.Module, data_group) -> None:
+    """Once per optimizer step: every router's token counts since the last step, summed over the
+    data-parallel ranks (`data_group`; None: all processes), move its expert bias towards equal
+    load; the counts are kept as `global_counts` for the metrics."""
+    for moe in moe_layers(model):
+        router = moe.router
+        counts = router.tokens_per_expert.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts, group=data_group)
+        router.global_counts = counts
+        router.update_bias(counts)

@@ -1,0 +1,1 @@
+"""Recipe: a byte-level GPT whose MLPs are mixtures of experts."""
