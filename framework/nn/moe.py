@@ -69,8 +69,9 @@ class TopKRouter(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate weights [T, k] in fp32, expert ids [T, k]) for tokens x [T, dim]."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        """(gate weights [T, k] in fp32 or wider, expert ids [T, k]) for tokens x [T, dim]."""
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+        logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
@@ -79,10 +80,12 @@ class TopKRouter(nn.Module):
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).float()
         if self.training and torch.is_grad_enabled() and not in_recompute():
             self.tokens_per_expert += counts  # once per token, also under recompute
-            self.stats = {
-                "counts": counts,
-                "entropy": -(scores * scores.clamp_min(1e-20).log()).sum(-1).mean().detach(),
-            }
+            with torch.no_grad():  # nothing saved for backward: recompute saves the same
+                p = scores.detach()
+                self.stats = {
+                    "counts": counts,
+                    "entropy": -(p * p.clamp_min(1e-20).log()).sum(-1).mean(),
+                }
         self.aux_loss = self.balance_loss(logits, scores, counts)
         return weights, chosen
 
@@ -201,7 +204,7 @@ class MoE(nn.Module):
         out_rows = self.run_experts(rows, counts)
         combined = flat.new_zeros(expert_of.numel(), flat.shape[-1], dtype=out_rows.dtype)
         combined[order] = out_rows
-        y = (combined.view(-1, k, flat.shape[-1]).float() * weights.unsqueeze(-1)).sum(1)
+        y = (combined.view(-1, k, flat.shape[-1]).to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
         y = y.to(x.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)

@@ -117,7 +117,46 @@ CASES = {
         ],
         "strategy.tp=2: PlainTwoLayer has no module with a tensor-parallel plan",
     ),
-    "expert parallel": (["strategy=fsdp", "strategy.ep=2", "trainer.devices=2"], "strategy.ep=2"),
+    "expert parallel without experts": (
+        ["strategy=fsdp", "strategy.ep=2", "trainer.devices=2"],
+        "strategy.ep=2: DigitsTask has no mixture-of-experts layer",
+    ),
+    "ep not dividing fsdp": (
+        [
+            "experiment=moe_gpt_tiny",
+            "strategy=fsdp",
+            "strategy.tp=2",
+            "strategy.ep=2",
+            "trainer.devices=2",
+        ],
+        "strategy.ep=2: expert parallel borrows its ranks from the fsdp degree (1)",
+    ),
+    "experts not dividing by ep": (
+        [
+            "experiment=moe_gpt_tiny",
+            "task.model.num_experts=3",
+            "strategy=expert",
+            "trainer.devices=2",
+        ],
+        "strategy.ep=2: the model's 3 experts per layer do not split evenly over it",
+    ),
+    "top_k above the experts": (
+        ["experiment=moe_gpt_tiny", "task.model.top_k=5"],
+        "task.model.top_k=5: must be between 1 and num_experts=4",
+    ),
+    "expert parallel under ZeRO": (
+        ["experiment=moe_gpt_tiny", "strategy=zero2", "strategy.ep=2", "trainer.devices=2"],
+        "strategy.ep=2: expert parallel is not offered on DeepSpeed ZeRO",
+    ),
+    "aux loss under a pipeline": (
+        [
+            "experiment=moe_gpt_tiny",
+            "task.model.aux_loss_coeff=0.01",
+            "strategy=pipeline",
+            "trainer.devices=2",
+        ],
+        "strategy.pp=2: the routers' auxiliary losses",
+    ),
     "unknown schedule": (
         ["strategy=pipeline", "strategy.schedule=pipedream"],
         "strategy.schedule=pipedream",

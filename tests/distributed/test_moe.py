@@ -1,0 +1,178 @@
+"""Expert parallel: one MoE layer split over 2 ranks equals the whole layer (outputs and every
+gradient); moe_gpt under ep = 2, ep 2 x fsdp, ep 2 x tp 2 and pp 2 x ep 2 routes every token as one
+process does and reproduces its losses; the expert bias is updated once per optimizer step
+(gradient accumulation, activation checkpointing); checkpoints move between ep degrees and
+strategies; the all-to-all traffic is the formula's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import QUIET, REPO, assert_resumed, fw, fw_env, losses, read_metrics
+
+pytestmark = pytest.mark.slow
+COMMON = [
+    *QUIET,
+    "experiment=moe_gpt_tiny",
+    "task.scheduler.name=constant",
+    "trainer.val_check_interval=20",
+    "trainer.deterministic=true",
+    "trainer.log_every_n_steps=1",
+    "callbacks.checkpoint.every_n_steps=10",
+    "logger=[csv]",
+]
+
+
+def train(*args: str, cwd) -> str:
+    result = fw("train", *COMMON, *args, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+def routing(run) -> list[dict[str, str]]:
+    """Per step, the tokens each expert of each layer received (summed over the data ranks)."""
+    return [
+        {k: v for k, v in row.items() if "/tokens_e" in k}
+        for row in read_metrics(run)
+        if row.get("moe/layer0/tokens_e0")
+    ]
+
+
+def expert_bias(run) -> dict[str, torch.Tensor]:
+    out = run.parent / f"{run.name}.pt"
+    assert fw("export", str(run), str(out), "--force", cwd=run.parent).returncode == 0
+    state = torch.load(out, weights_only=True)
+    return {k: v for k, v in state.items() if k.endswith("expert_bias")}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """moe_gpt_tiny on one process, batch 16, 20 steps (checkpoint at 10 and 20)."""
+    root = tmp_path_factory.mktemp("moe")
+    train("strategy=ddp", "trainer.devices=1", "task.data.batch_size=16", "run.dir=run", cwd=root)
+    return root / "run"
+
+
+def test_an_expert_parallel_layer_equals_the_whole_layer(tmp_path):
+    script = REPO / "tests" / "distributed" / "scripts" / "moe_layer_check.py"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run(
+        [*launch, str(script), str(tmp_path)],
+        env=fw_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for dtype, bound in (("float64", 1e-12), ("float32", 1e-6)):
+            diffs = {
+                k: v for k, v in found[dtype].items() if k not in ("rows_sent", "gate_grad_scale")
+            }
+            assert max(diffs.values()) <= bound, (dtype, diffs)
+        assert found["float64"]["rows_sent"] == (0 if rank == 0 else 16), "rank 0 sends nothing"
+
+
+LAYOUTS = {
+    "ep2": ["strategy=expert", "trainer.devices=2", "task.data.batch_size=8"],
+    "ep2xfsdp": ["strategy=fsdp", "strategy.ep=2", "trainer.devices=4", "task.data.batch_size=4"],
+    "ep2xtp2": [
+        "strategy=fsdp",
+        "strategy.tp=2",
+        "strategy.ep=2",
+        "trainer.devices=4",
+        "task.data.batch_size=8",
+    ],
+    "pp2xep2": [
+        "strategy=pipeline",
+        "strategy.pp=2",
+        "strategy.fsdp=2",
+        "strategy.ep=2",
+        "trainer.devices=4",
+        "task.data.batch_size=8",
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_layouts_route_and_train_as_one_process(layout, one_process, workdir):
+    train(*LAYOUTS[layout], "run.dir=run", cwd=workdir)
+    got, want = routing(workdir / "run"), routing(one_process)
+    assert len(got) == 20 and got == want, "every token goes to the same experts"
+    a, b = losses(workdir / "run"), losses(one_process)
+    assert sorted(a) == sorted(b) and all(abs(a[s] - b[s]) <= 1e-5 for s in b), (a, b)
+    bias = expert_bias(workdir / "run")
+    assert bias.keys() == expert_bias(one_process).keys()
+    assert all(torch.equal(v, expert_bias(one_process)[k]) for k, v in bias.items())
+    assert any(v.abs().sum() > 0 for v in bias.values()), "the bias moved"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["task.data.batch_size=8", "trainer.accumulate_grad_batches=2"],
+        ["task.data.batch_size=16", "trainer.activation_checkpointing=full"],
+    ],
+    ids=["accumulate-2", "full-checkpointing"],
+)
+def test_the_bias_moves_once_per_optimizer_step(args, one_process, workdir):
+    """Counts neither split by accumulation nor doubled by the recompute in backward."""
+    train("strategy=ddp", "trainer.devices=1", *args, "run.dir=run", cwd=workdir)
+    assert routing(workdir / "run") == routing(one_process)
+    bias, want = expert_bias(workdir / "run"), expert_bias(one_process)
+    assert all(torch.equal(v, want[k]) for k, v in bias.items())
+
+
+MOVES = {
+    "ep2-to-one-process": (
+        LAYOUTS["ep2"],
+        ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
+    ),
+    "one-process-to-ep2xfsdp": (
+        ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
+        LAYOUTS["ep2xfsdp"],
+    ),
+    "ep2-to-ddp2": (
+        LAYOUTS["ep2"],
+        ["strategy=ddp", "trainer.devices=2", "task.data.batch_size=8"],
+    ),
+}
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_a_checkpoint_moves_between_expert_parallel_degrees(move, one_process, workdir):
+    first, second = MOVES[move]
+    train(*first, "trainer.max_steps=10", "run.dir=run", cwd=workdir)
+    err = train(*second, "run.dir=run", cwd=workdir)
+    assert_resumed(err, workdir / "run", 20, moved=True)
+    a, b = losses(workdir / "run"), losses(one_process)
+    assert all(abs(a[s] - b[s]) <= 1e-5 for s in b), (a, b)
+
+
+def test_all_to_all_traffic_matches_the_formula(workdir):
+    """Round-robin routing (balanced): per layer and step 3 all-to-alls forward (token counts,
+    dispatch, combine) and 2 backward; each rank sends T*k*(ep-1)/ep token rows."""
+    counter = [
+        "+callbacks.comm._target_=framework.debug.CommCounter",
+        f"+callbacks.comm.out={workdir}",
+    ]
+    train(
+        "task._target_=tests.tasks.RoundRobinMoEGPTTask",
+        *LAYOUTS["ep2"],
+        "trainer.max_steps=3",
+        *counter,
+        "run.dir=run",
+        cwd=workdir,
+    )
+    counts = json.loads((workdir / "comm.json").read_text())
+    layer = counts["RoundRobinMoEGPTTask.model.blocks.0.moe"]
+    assert layer == {"forward": {"all_to_all_single": 3}, "backward": {"all_to_all_single": 2}}
+    rows = [r for r in read_metrics(workdir / "run") if r.get("moe/layer0/rows_sent")]
+    tokens, k, ep = 8 * 64, 2, 2  # per rank: batch 8 x block 64
+    assert {float(r["moe/layer0/rows_sent"]) for r in rows} == {tokens * k * (ep - 1) / ep}
