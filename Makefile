@@ -44,6 +44,7 @@ bench: install
 	$(BIN)/python -m benchmarks.strategies
 	$(BIN)/python -m benchmarks.tensor
 	$(BIN)/python -m benchmarks.pipeline
+	$(BIN)/python -m benchmarks.moe
 	$(BIN)/python -m benchmarks.plot
 
 clean:

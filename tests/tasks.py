@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import time
@@ -13,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.digits.task import DigitsTask
-from recipes.moe_gpt.task import MoEGPTTask
 
 
 class FailingDigitsTask(DigitsTask):
@@ -318,21 +316,3 @@ class CustomSamplerDigits(PlainDigitsData):
         return torch.utils.data.DataLoader(
             self.train_set, batch_size=self.batch_size, sampler=sampler
         )
-
-
-class RoundRobinMoEGPTTask(MoEGPTTask):
-    """MoEGPTTask whose routers send token t to experts t, t+1, ..., t+k-1 (mod E): a perfectly
-    balanced routing, for counting the all-to-all traffic against its formula."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        for moe in self.model.moe_layers():
-            moe.router.forward = functools.partial(_round_robin, moe.router)
-
-
-def _round_robin(router, x):
-    t = torch.arange(x.shape[0], device=x.device)
-    chosen = (t[:, None] + torch.arange(router.top_k, device=x.device)) % router.num_experts
-    weights = torch.full(chosen.shape, 1.0 / router.top_k, device=x.device)
-    router.aux_loss = torch.zeros(())
-    return weights + 0 * router.gate(x).sum(), chosen

@@ -28,6 +28,7 @@ from torch import nn
 from framework.nn.blocks import Attention, LayerNorm
 
 SCORES = ("softmax", "sigmoid")
+ROUTINGS = ("learned", "round_robin")
 GEMMS = ("auto", "grouped", "loop")
 
 
@@ -48,8 +49,11 @@ class TopKRouter(nn.Module):
         bias_update_rate: float = 0.0,
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
+        routing: str = "learned",
     ) -> None:
         super().__init__()
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r} is not one of {ROUTINGS}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
         if score not in SCORES:
@@ -60,6 +64,7 @@ class TopKRouter(nn.Module):
         self.bias_update_rate = bias_update_rate
         self.aux_loss_coeff = aux_loss_coeff
         self.z_loss_coeff = z_loss_coeff
+        self.routing = routing  # round_robin: token t to experts t..t+k-1 (mod E), for measuring
         self.gate = nn.Linear(dim, num_experts, bias=False)
         # selects experts only; moved towards equal load once per optimizer step (checkpointed)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
@@ -74,6 +79,9 @@ class TopKRouter(nn.Module):
         logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        if self.routing == "round_robin":  # balanced by construction (communication benchmarks)
+            t = torch.arange(x.shape[0], device=x.device)[:, None]
+            chosen = (t + torch.arange(self.top_k, device=x.device)) % self.num_experts
         weights = scores.gather(-1, chosen)
         if self.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
@@ -168,12 +176,13 @@ class MoE(nn.Module):
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
         gemm: str = "auto",
+        routing: str = "learned",
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.capacity_factor = capacity_factor
         self.router = TopKRouter(
-            dim, num_experts, top_k, score, bias_update_rate, aux_loss_coeff, z_loss_coeff
+            dim, num_experts, top_k, score, bias_update_rate, aux_loss_coeff, z_loss_coeff, routing
         )
         self.experts = GroupedExperts(dim, hidden, num_experts, gemm)
         self.shared = SwiGLU(dim, hidden * shared_experts) if shared_experts else None

@@ -28,6 +28,7 @@ class MoEGPTTask(GPTTask):
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
         gemm: str = "auto",
+        routing: str = "learned",
         sample_prompt: str = "def main(",
         sample_length: int = 300,
         sample_temperature: float = 0.8,
@@ -45,6 +46,7 @@ class MoEGPTTask(GPTTask):
             "aux_loss_coeff": aux_loss_coeff,
             "z_loss_coeff": z_loss_coeff,
             "gemm": gemm,
+            "routing": routing,
         }
         self.model = MoEGPT(vocab_size, block_size, n_layer, n_head, n_embd, moe, dropout)
 

@@ -134,9 +134,9 @@ MOVES = {
         LAYOUTS["ep2"],
         ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
     ),
-    "one-process-to-ep2xfsdp": (
+    "one-process-to-ep2": (
         ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
-        LAYOUTS["ep2xfsdp"],
+        LAYOUTS["ep2"],
     ),
     "ep2-to-ddp2": (
         LAYOUTS["ep2"],
@@ -163,7 +163,7 @@ def test_all_to_all_traffic_matches_the_formula(workdir):
         f"+callbacks.comm.out={workdir}",
     ]
     train(
-        "task._target_=tests.tasks.RoundRobinMoEGPTTask",
+        "task.model.routing=round_robin",
         *LAYOUTS["ep2"],
         "trainer.max_steps=3",
         *counter,
@@ -171,7 +171,7 @@ def test_all_to_all_traffic_matches_the_formula(workdir):
         cwd=workdir,
     )
     counts = json.loads((workdir / "comm.json").read_text())
-    layer = counts["RoundRobinMoEGPTTask.model.blocks.0.moe"]
+    layer = counts["MoEGPTTask.model.blocks.0.moe"]
     assert layer == {"forward": {"all_to_all_single": 3}, "backward": {"all_to_all_single": 2}}
     rows = [r for r in read_metrics(workdir / "run") if r.get("moe/layer0/rows_sent")]
     tokens, k, ep = 8 * 64, 2, 2  # per rank: batch 8 x block 64

@@ -21,27 +21,40 @@ PARITY = [
     "logger=[csv]",
 ]
 DIGITS = ["task=digits", "task.data.batch_size=32", "trainer.max_steps=20"]
-GPT = ["experiment=gpt_tiny", "trainer.val_check_interval=20"]
+# the one-process reference gpt16 (tests/distributed/conftest.py): batch 8 on each of 2 processes
+GPT = ["experiment=gpt_tiny", "trainer.val_check_interval=20", "task.scheduler.name=constant"]
+
+
+SAVED = ("ddp", "zero3", "fsdp")  # digits runs kept with their checkpoints (for export too)
 
 
 @pytest.fixture(scope="module")
-def ddp_losses(tmp_path_factory):
-    out = {}
-    for name, task in (("digits", DIGITS), ("gpt", GPT)):
-        run = tmp_path_factory.mktemp(f"ddp-{name}") / "run"
-        result = fw("train", "strategy=ddp", *task, *PARITY, f"run.dir={run}")
+def digits_runs(tmp_path_factory):
+    """digits on 2 processes, 20 steps, checkpointed at the end, under ddp, zero3 and fsdp."""
+    root = tmp_path_factory.mktemp("digits")
+    with_checkpoints = [a for a in PARITY if a != "callbacks=none"]
+    for strategy in SAVED:
+        run = root / strategy
+        result = fw("train", f"strategy={strategy}", *DIGITS, *with_checkpoints, f"run.dir={run}")
         assert result.returncode == 0, result.stderr[-3000:]
-        out[name] = losses(run)
-    return out
+    return root
+
+
+@pytest.fixture(scope="module")
+def ddp_losses(digits_runs, one_process):
+    return {"digits": losses(digits_runs / "ddp"), "gpt": one_process["gpt16"]}
 
 
 @pytest.mark.parametrize(
     "strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp"]
 )
-def test_sharded_reproduces_ddp_on_digits(strategy, ddp_losses, workdir):
-    result = fw("train", f"strategy={strategy}", *DIGITS, *PARITY, "run.dir=run", cwd=workdir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    got, want = losses(workdir / "run"), ddp_losses["digits"]
+def test_sharded_reproduces_ddp_on_digits(strategy, ddp_losses, digits_runs, workdir):
+    run = digits_runs / strategy
+    if strategy not in SAVED:
+        result = fw("train", f"strategy={strategy}", *DIGITS, *PARITY, "run.dir=run", cwd=workdir)
+        assert result.returncode == 0, result.stderr[-3000:]
+        run = workdir / "run"
+    got, want = losses(run), ddp_losses["digits"]
     assert sorted(got) == list(range(20))
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
 
@@ -96,7 +109,7 @@ def test_state_is_really_sharded(workdir):
                 assert rank["params"] == full["params"]
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])  # zero2's restart: test_preemption.py
 def test_kill_9_and_restart_is_exact_under_sharding(strategy, workdir):
     args = [
         f"strategy={strategy}",
@@ -111,19 +124,10 @@ def test_kill_9_and_restart_is_exact_under_sharding(strategy, workdir):
     assert metric_rows(workdir / "run") == metric_rows(workdir / "reference")
 
 
-def test_export_of_sharded_checkpoints_equals_the_ddp_model(workdir):
-    for strategy in ("ddp", "zero3", "fsdp"):
-        result = fw(
-            "train",
-            f"strategy={strategy}",
-            *DIGITS,
-            *PARITY[:-2],
-            "logger=[csv]",
-            f"run.dir={strategy}",
-            cwd=workdir,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert fw("export", strategy, f"{strategy}.pt", cwd=workdir).returncode == 0
+def test_export_of_sharded_checkpoints_equals_the_ddp_model(digits_runs, workdir):
+    for strategy in SAVED:
+        exported = fw("export", str(digits_runs / strategy), f"{strategy}.pt", cwd=workdir)
+        assert exported.returncode == 0, exported.stderr[-3000:]
     a = torch.load(workdir / "ddp.pt", weights_only=True)
     for strategy in ("zero3", "fsdp"):
         b = torch.load(workdir / f"{strategy}.pt", weights_only=True)

@@ -5,6 +5,7 @@ model with a plan from the config; layout-changing resume; invalid degrees refus
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -202,6 +203,19 @@ def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, wo
     assert counts["DigitsTask.net.3"]["forward"] == {"all_reduce": 1}, "the plan was applied"
 
 
+TP2 = ["strategy=tensor", "trainer.devices=2", "task.data.batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """tp = 2 on gpt_tiny (global batch 16), 10 steps, checkpoint at 10: a first leg to resume
+    from and a checkpoint to export, trained once."""
+    run = tmp_path_factory.mktemp("tp2") / "run"
+    save = ["callbacks.checkpoint.every_n_steps=10", "trainer.max_steps=10"]
+    train(*TP2, *GPT, *save, f"run.dir={run}", cwd=run.parent)
+    return run
+
+
 @pytest.mark.parametrize(
     ("first", "second"),
     [
@@ -224,20 +238,19 @@ def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, wo
     ],
     ids=["tp2-to-one-process", "one-process-to-fsdp2xtp2", "fsdp2xtp2-to-ddp2", "tp2-to-tp2"],
 )
-def test_resume_into_another_layout_continues_the_same_run(first, second, single, workdir):
+def test_resume_into_another_layout_continues_the_same_run(first, second, single, tp2, workdir):
     save = ["callbacks.checkpoint.every_n_steps=10"]
-    train(*first, *GPT, *save, "trainer.max_steps=10", "run.dir=run", cwd=workdir)
+    if first == TP2:
+        shutil.copytree(tp2, workdir / "run", symlinks=True)
+    else:
+        train(*first, *GPT, *save, "trainer.max_steps=10", "run.dir=run", cwd=workdir)
     err = train(*second, *GPT, *save, "trainer.max_steps=20", "run.dir=run", cwd=workdir)
     assert_resumed(err, workdir / "run", 20, moved=first != second)
     assert_same(workdir / "run", single["gpt16"])
 
 
-def test_export_of_a_tensor_parallel_checkpoint_equals_the_one_process_model(single, workdir):
-    save = ["callbacks.checkpoint.every_n_steps=10", "trainer.max_steps=10", "run.dir=run"]
-    train(
-        "strategy=tensor", "trainer.devices=2", "task.data.batch_size=16", *GPT, *save, cwd=workdir
-    )
-    assert fw("export", "run", "tp.pt", cwd=workdir).returncode == 0
+def test_export_of_a_tensor_parallel_checkpoint_equals_the_one_process_model(single, tp2, workdir):
+    assert fw("export", str(tp2), "tp.pt", cwd=workdir).returncode == 0
     ref = single["root"] / "gpt16" / "checkpoints" / "step00000010"
     assert fw("export", str(ref), "one.pt", cwd=workdir).returncode == 0
     a = torch.load(workdir / "tp.pt", weights_only=True)
