@@ -316,3 +316,25 @@ class CustomSamplerDigits(PlainDigitsData):
         return torch.utils.data.DataLoader(
             self.train_set, batch_size=self.batch_size, sampler=sampler
         )
+
+
+class ExpertGradNorms(pl.Callback):
+    """Writes the norm of every expert weight's whole gradient at step 1, just before the
+    optimizer step (after the strategy's gradient work), to `out`/expert-grads.json (rank 0)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step != 1:
+            return
+        import json
+
+        norms = {}
+        for name, p in pl_module.named_parameters():
+            if ".experts.w" in name and p.grad is not None:
+                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                norms[name] = float(grad.norm())
+        if trainer.global_rank == 0:
+            with open(os.path.join(self.out, "expert-grads.json"), "w") as fh:
+                json.dump(norms, fh)

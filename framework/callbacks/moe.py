@@ -35,34 +35,67 @@ def build(cfg: Config, ctx):
     from framework.parallel.experts import moe_layers
 
     class MoEMetrics(pl.Callback):
-        """Logs what the routers counted (the strategy summed the counts over the data ranks)."""
+        """Logs what the routers counted (the strategy summed the counts over the data ranks).
+        Layers are numbered in the whole model; under a pipeline each rank holds some of them,
+        and rank 0 gathers every layer's figures before logging."""
+
+        active = False  # the whole model has MoE layers (the same answer on every rank)
+
+        def setup(self, trainer, pl_module, stage) -> None:
+            for i, moe in enumerate(moe_layers(pl_module)):  # before any stage is cut
+                moe.layer_index = i
+                self.active = True
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             layers = moe_layers(pl_module)
-            if not layers or not trainer._logger_connector.should_update_logs:
+            if not self.active or not trainer._logger_connector.should_update_logs:
                 return
-            for i, moe in enumerate(layers):
+            found: dict[str, float] = {}
+            for moe in layers:
+                found.update(layer_metrics(moe, cfg.per_expert))
+            for name, value in gather(found, trainer).items():
+                pl_module.log(name, value, rank_zero_only=True)
+            for moe in layers:
                 counts = getattr(moe.router, "global_counts", None)
-                if counts is None:
-                    continue
-                prefix = f"moe/layer{i}"
-                metrics = {
-                    f"{prefix}/max_load": float(counts.max() / counts.mean().clamp_min(1e-9)),
-                    f"{prefix}/drop": float(moe.dropped),
-                    f"{prefix}/aux_loss": float(moe.router.aux_loss.detach()),
-                    f"{prefix}/rows_sent": float(moe.rows_sent),
-                }
-                if "entropy" in moe.router.stats:
-                    metrics[f"{prefix}/entropy"] = float(moe.router.stats["entropy"])
-                if cfg.per_expert:
-                    metrics.update(
-                        {f"{prefix}/tokens_e{j}": float(c) for j, c in enumerate(counts)}
-                    )
-                for name, value in metrics.items():
-                    pl_module.log(name, value, rank_zero_only=True)
-                histogram(trainer, f"{prefix}/tokens_per_expert", counts)
+                if counts is not None:
+                    histogram(trainer, f"moe/layer{moe.layer_index}/tokens_per_expert", counts)
 
     return MoEMetrics()
+
+
+def layer_metrics(moe, per_expert: bool) -> dict[str, float]:
+    """One MoE layer's metrics after the last optimizer step's counts (empty before any)."""
+    counts = getattr(moe.router, "global_counts", None)
+    if counts is None:
+        return {}
+    prefix = f"moe/layer{moe.layer_index}"
+    metrics = {
+        f"{prefix}/max_load": float(counts.max() / counts.mean().clamp_min(1e-9)),
+        f"{prefix}/drop": float(moe.dropped),
+        f"{prefix}/aux_loss": float(moe.router.aux_loss.detach()),
+        f"{prefix}/rows_sent": float(moe.rows_sent),
+    }
+    if "entropy" in moe.router.stats:
+        metrics[f"{prefix}/entropy"] = float(moe.router.stats["entropy"])
+    if per_expert:
+        metrics.update({f"{prefix}/tokens_e{j}": float(c) for j, c in enumerate(counts)})
+    return metrics
+
+
+def gather(found: dict[str, float], trainer) -> dict[str, float]:
+    """Every rank's layer metrics, merged (a pipeline's layers live on several ranks); the
+    first rank holding a layer gives its figures. Every rank calls it (a collective)."""
+    import torch.distributed as dist
+
+    if trainer.world_size == 1 or not dist.is_initialized():
+        return found
+    every: list = [None] * trainer.world_size
+    dist.all_gather_object(every, found)
+    merged: dict[str, float] = {}
+    for part in every:
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return merged
 
 
 def histogram(trainer, name: str, counts) -> None:

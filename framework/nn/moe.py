@@ -72,6 +72,7 @@ class TopKRouter(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
+        self.counting = True  # off while a pipeline infers shapes with a trial forward
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate weights [T, k] in fp32 or wider, expert ids [T, k]) for tokens x [T, dim]."""
@@ -86,7 +87,7 @@ class TopKRouter(nn.Module):
         if self.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
         counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).float()
-        if self.training and torch.is_grad_enabled() and not in_recompute():
+        if self.training and self.counting and torch.is_grad_enabled() and not in_recompute():
             self.tokens_per_expert += counts  # once per token, also under recompute
             with torch.no_grad():  # nothing saved for backward: recompute saves the same
                 p = scores.detach()

@@ -26,9 +26,12 @@ COMMON = [
     "callbacks.checkpoint.every_n_steps=10",
     "logger=[csv]",
 ]
+# the expert gradients' norms at step 1 (AdamW would hide a gradient off by a constant factor)
+GRADS = ["+callbacks.grads._target_=tests.tasks.ExpertGradNorms", "+callbacks.grads.out=OUT"]
 
 
 def train(*args: str, cwd) -> str:
+    args = tuple(a.replace("OUT", str(cwd)) for a in args)
     result = fw("train", *COMMON, *args, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
@@ -54,7 +57,8 @@ def expert_bias(run) -> dict[str, torch.Tensor]:
 def one_process(tmp_path_factory):
     """moe_gpt_tiny on one process, batch 16, 20 steps (checkpoint at 10 and 20)."""
     root = tmp_path_factory.mktemp("moe")
-    train("strategy=ddp", "trainer.devices=1", "task.data.batch_size=16", "run.dir=run", cwd=root)
+    one = ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"]
+    train(*one, *GRADS, "run.dir=run", cwd=root)
     return root / "run"
 
 
@@ -102,7 +106,12 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_layouts_route_and_train_as_one_process(layout, one_process, workdir):
-    train(*LAYOUTS[layout], "run.dir=run", cwd=workdir)
+    train(*LAYOUTS[layout], *GRADS, "run.dir=run", cwd=workdir)
+    norms = json.loads((workdir / "expert-grads.json").read_text())
+    want = json.loads((one_process.parent / "expert-grads.json").read_text())
+    # rank 0 holds every layer, or under the pipeline the first stage's (3 weights per layer)
+    assert set(norms) <= set(want) and len(norms) == (3 if "pp" in layout else 6)
+    assert all(abs(norms[k] - want[k]) <= 1e-5 * want[k] for k in norms), (norms, want)
     got, want = routing(workdir / "run"), routing(one_process)
     assert len(got) == 20 and got == want, "every token goes to the same experts"
     a, b = losses(workdir / "run"), losses(one_process)

@@ -61,6 +61,7 @@ class PipelineRunner:
                 stages[s], s, self.n_stages, self.device, group=self.group
             )
             self.timeline.watch(stage)
+            uncounted(stage, stages[s])
             staged.append(stage)
         cls = getattr(pipelining, SCHEDULES[self.schedule_name])
         single = self.schedule_name in ("gpipe", "1f1b")
@@ -155,6 +156,27 @@ class PipelineRunner:
             if s < self.n_stages - 1 and self.rank_of[s + 1] != here:
                 _send(x, self.global_rank_of(self.rank_of[s + 1]), self.group)
         return x if self.rank_of[self.n_stages - 1] == self.pp_rank else None
+
+
+def uncounted(stage, module) -> None:
+    """torch's stage infers shapes once with a real forward (and backward) on the first step:
+    the mixture-of-experts routers of `module` do not count those tokens."""
+    from framework.parallel.experts import moe_layers
+
+    routers = [m.router for m in moe_layers(module)]
+    for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
+        run = getattr(stage, name)
+
+        def paused(*args, run=run, **kwargs):
+            for router in routers:
+                router.counting = False
+            try:
+                return run(*args, **kwargs)
+            finally:
+                for router in routers:
+                    router.counting = True
+
+        setattr(stage, name, paused)
 
 
 def inputs_and_targets(task, batch):
