@@ -67,3 +67,18 @@ def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def collective_backend(choice: str | None, world: World) -> str:
+    """The collective backend of a job: the one asked for, else NCCL on CUDA and gloo on CPU;
+    a ConfigError for NCCL without CUDA. Every strategy plugin asks here."""
+    if choice == "nccl" and not world.is_cuda:
+        from framework.errors import ConfigError
+
+        raise ConfigError(
+            "strategy.backend",
+            choice,
+            "NCCL needs CUDA devices but the job runs on CPU",
+            ["gloo", "null"],
+        )
+    return choice or ("nccl" if world.is_cuda else "gloo")

@@ -11,8 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from framework.config.fields import doc
-from framework.errors import ConfigError
-from framework.world import World
+from framework.world import World, collective_backend
 
 BACKENDS = (None, "gloo", "nccl")
 
@@ -37,13 +36,7 @@ class Config:
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:
-    if cfg.backend == "nccl" and not world.is_cuda:
-        raise ConfigError(
-            "strategy.backend",
-            cfg.backend,
-            "NCCL needs CUDA devices but the job runs on CPU",
-            ["gloo", "null"],
-        )
+    collective_backend(cfg.backend, world)
 
 
 def checkpoint_format(cfg: Config, world: World) -> str:
@@ -66,7 +59,7 @@ def build(cfg: Config, world: World, inputs):
 
         device = torch.device("cuda", world.local_rank) if world.is_cuda else torch.device("cpu")
         return PortableSingleDevice(device=device, inputs=inputs)
-    backend = cfg.backend or ("nccl" if world.is_cuda else "gloo")
+    backend = collective_backend(cfg.backend, world)
     return PortableDDP(
         inputs=inputs,
         process_group_backend=backend,

@@ -18,7 +18,7 @@ from typing import Any
 
 from framework.config.fields import doc
 from framework.errors import ConfigError
-from framework.world import World
+from framework.world import World, collective_backend
 
 OFFLOAD = ("none", "cpu", "nvme")
 
@@ -45,6 +45,7 @@ class Config:
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:
+    collective_backend(cfg.backend, world)
     if cfg.ep != 1:
         raise ConfigError(
             "strategy.ep",

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
 from framework import portable
 from framework.strategy_base import StrategyBase
+from framework.world import collective_backend
 
 log = logging.getLogger("framework.deepspeed")
 
@@ -85,7 +86,7 @@ def make_strategy(config: dict, cfg, world, inputs) -> ZeroStrategy:
     if not world.is_cuda:
         announce_first_build()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    backend = cfg.backend or ("nccl" if world.is_cuda else "gloo")
+    backend = collective_backend(cfg.backend, world)
     return ZeroStrategy(
         inputs=inputs,
         config=config,

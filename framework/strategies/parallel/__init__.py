@@ -27,7 +27,7 @@ from typing import Any
 from framework.config.fields import doc
 from framework.errors import ConfigError
 from framework.parallel.dims import ParallelDims
-from framework.world import World
+from framework.world import World, collective_backend
 
 log = logging.getLogger("framework.parallel")
 DTYPES = (None, "float32", "bfloat16", "float16")
@@ -122,13 +122,7 @@ def validate(cfg: Config, world: World, job: Any) -> None:
     from framework.strategies.parallel import checks
 
     dims = dims_of(cfg, world.world_size)
-    if cfg.backend == "nccl" and not world.is_cuda:
-        raise ConfigError(
-            "strategy.backend",
-            cfg.backend,
-            "NCCL needs CUDA devices but the job runs on CPU",
-            ["gloo", "null"],
-        )
+    collective_backend(cfg.backend, world)
     if cfg.cpu_offload and not world.is_cuda:
         raise ConfigError(
             "strategy.cpu_offload",

@@ -32,6 +32,7 @@ from framework.strategies.parallel import checkpoint_io, stages
 from framework.strategies.parallel.schedule import PipelineRunner, inputs_and_targets
 from framework.strategies.parallel.timeline import gathered_metrics, save_trace
 from framework.strategy_base import StrategyBase
+from framework.world import collective_backend
 
 log = logging.getLogger("framework.parallel")
 
@@ -45,7 +46,7 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             data_parallel_size=dims.data_size,
             tensor_parallel_size=dims.tp,
             save_distributed_checkpoint=True,
-            process_group_backend=cfg.backend or ("nccl" if world.is_cuda else "gloo"),
+            process_group_backend=collective_backend(cfg.backend, world),
             timeout=timedelta(seconds=cfg.timeout_s),
         )
         self.cfg = cfg
