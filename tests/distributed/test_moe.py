@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import QUIET, REPO, assert_resumed, fw, fw_env, losses, read_metrics
+from tests.conftest import FW, QUIET, REPO, assert_resumed, fw, fw_env, losses, read_metrics
 
 pytestmark = pytest.mark.slow
 COMMON = [
@@ -185,3 +185,15 @@ def test_all_to_all_traffic_matches_the_formula(workdir):
     rows = [r for r in read_metrics(workdir / "run") if r.get("moe/layer0/rows_sent")]
     tokens, k, ep = 8 * 64, 2, 2  # per rank: batch 8 x block 64
     assert {float(r["moe/layer0/rows_sent"]) for r in rows} == {tokens * k * (ep - 1) / ep}
+
+
+def test_load_metrics_reach_wandb_as_a_histogram(workdir):
+    env = fw_env()
+    env["WANDB_MODE"] = "offline"
+    args = [*COMMON[:-1], "logger=[csv,wandb]", "trainer.max_steps=3", "run.dir=run"]
+    result = subprocess.run(
+        [str(FW), "train", *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = next((workdir / "run" / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    assert b"moe/layer0/tokens_per_expert" in record and b"moe/layer1/max_load" in record
