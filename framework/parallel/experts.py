@@ -3,11 +3,15 @@ routers' load is balanced once per optimizer step.
 
 The stacked expert weights become DTensors sharded on dim 0 (the expert dimension) over the
 `ep` view, so checkpoints hold them whole, by name, for any ep. Every rank built the whole model
-from the seed, so each takes its slice without communication. FSDP leaves them alone (they are
-its `ignored_params`): a rank's expert gradient sums what every rank of its ep group routed to
-it, so after backward it is summed over `efsdp` (the ranks holding the same experts) and divided
-by the number of data-parallel ranks. That makes it the gradient of the global mean loss, the
-same for any ep (the trap DeepSpeed #5618 describes).
+from the seed, so each takes its slice without communication.
+
+Gradients: a rank's expert gradient sums what every rank of its ep group routed to it (each
+rank's loss being the mean over its own tokens). The gradient of the global mean loss is that
+sum, summed over `efsdp` (the ranks holding the same experts) and divided by all D = ep x efsdp
+data-parallel ranks. FSDP2 shards the experts over efsdp (when it has more than one rank) and
+averages their gradients over it; dividing the result by ep once per optimizer step completes
+the D (`scale_expert_gradients`). So the expert gradients are the same for any ep (the trap
+DeepSpeed #5618 describes).
 """
 
 from __future__ import annotations
@@ -48,16 +52,12 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [getattr(m.experts, n) for m in moe_layers(model) for n in EXPERT_WEIGHTS]
 
 
-def sync_expert_gradients(params: list[nn.Parameter], replicas, data_size: int) -> None:
-    """Sum expert gradients over the ranks holding the same experts (`replicas`: a process group,
-    None when there is one), then divide by the data-parallel size."""
+def scale_expert_gradients(params: list[nn.Parameter], ep: int) -> None:
+    """Divide the expert gradients by the expert-parallel degree (after FSDP's average over the
+    ranks holding the same experts, or with no FSDP when there is one such rank)."""
     for p in params:
-        if p.grad is None:
-            continue
-        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        if replicas is not None:
-            dist.all_reduce(grad, group=replicas)
-        grad.div_(data_size)
+        if p.grad is not None:
+            (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).div_(ep)
 
 
 @torch.no_grad()

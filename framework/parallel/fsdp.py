@@ -104,3 +104,18 @@ def apply_fsdp(
 
 def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
+
+
+def shard_experts(task: nn.Module, mesh, settings: FSDPSettings) -> int:
+    """FSDP2 over `mesh` (efsdp: the ranks holding the same experts) for every MoE layer's
+    experts, already split over `ep`: their gradients are averaged over those ranks (the
+    strategy then divides them by ep, see framework.parallel.experts)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from framework.parallel.experts import moe_layers
+
+    kwargs = fully_shard_kwargs(mesh, settings)
+    layers = moe_layers(task)
+    for moe in layers:
+        fully_shard(moe.experts, **kwargs)
+    return len(layers)

@@ -7,7 +7,7 @@
 4. activation checkpointing and compile, per block;
 5. FSDP2 over the data views (dp x fsdp > 1): shard over `fsdp`, replicate over `dp` (hybrid
    when both are above 1), with the pipeline stages as roots under a pipeline; the experts of
-   step 3 are left to expert parallel.
+   step 3 are sharded over `efsdp` (the ranks holding the same experts) as units of their own.
 
 Every rank builds the whole model from the seed before this (initial weights are one process's),
 and no step renames a module or parameter, so checkpoints of any layout read back by name.
@@ -23,7 +23,7 @@ from framework.nn import pipeline
 from framework.nn.plan import apply_tensor_parallel
 from framework.nn.transforms import ModelTransforms
 from framework.parallel.dims import JobMesh, ParallelDims
-from framework.parallel.fsdp import FSDPSettings, apply_fsdp
+from framework.parallel.fsdp import FSDPSettings, apply_fsdp, shard_experts
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,9 @@ def parallelize(
     experts = apply_expert_parallel(task, mesh["ep"]) if dims.ep > 1 else set()
     transforms.apply(task)
     stages = {s: pipeline.Stage(task, cut.layers(s)) for s in cut.mine} if cut else {}
+    if experts and mesh["efsdp"].size() > 1:  # the ranks holding the same experts shard them
+        shard_experts(task, mesh["efsdp"], fsdp)
+        experts = set()  # now FSDP units of their own: the outer units leave them out anyway
     if dims.data_size > 1:
         data = mesh[("dp", "fsdp")] if dims.dp > 1 else mesh["fsdp"]
         apply_fsdp(task, data, fsdp, roots=list(stages.values()) if cut else None, ignored=experts)

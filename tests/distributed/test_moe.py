@@ -104,9 +104,17 @@ LAYOUTS = {
 }
 
 
+# experts per layer held by one rank: 4 split over ep = 2, and FSDP over the 2 ranks holding
+# the same experts (efsdp) where fsdp = 4
+LOCAL_EXPERTS = {"ep2": 2, "ep2xfsdp": 1, "ep2xtp2": 2, "pp2xep2": 2}
+SHAPES = ["+callbacks.shapes._target_=tests.tasks.LocalShapes", "+callbacks.shapes.out=OUT"]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_layouts_route_and_train_as_one_process(layout, one_process, workdir):
-    train(*LAYOUTS[layout], *GRADS, "run.dir=run", cwd=workdir)
+    train(*LAYOUTS[layout], *GRADS, *SHAPES, "run.dir=run", cwd=workdir)
+    shapes = json.loads((workdir / "shapes-rank0.json").read_text())
+    assert shapes["model.blocks.0.moe.experts.w1"] == [LOCAL_EXPERTS[layout], 64, 64]
     norms = json.loads((workdir / "expert-grads.json").read_text())
     want = json.loads((one_process.parent / "expert-grads.json").read_text())
     # rank 0 holds every layer, or under the pipeline the first stage's (3 weights per layer)

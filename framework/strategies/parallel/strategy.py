@@ -24,7 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from framework.nn import pipeline
 from framework.parallel.dims import ParallelDims
-from framework.parallel.experts import expert_parameters, sync_expert_gradients
+from framework.parallel.experts import expert_parameters, scale_expert_gradients
 from framework.parallel.fsdp import FSDPSettings
 from framework.parallel.gradients import clip_by_total_norm, reduce_partial_gradients
 from framework.parallel.parallelize import StageCut, TensorParallelSettings, parallelize
@@ -73,13 +73,8 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         return self.mesh["data"].get_group()
 
     def before_optimizer_step(self) -> None:
-        if (
-            self.dims.ep > 1
-        ):  # experts: summed over the ranks holding them, divided by the data ranks
-            replicas = self.mesh["efsdp"]
-            group = replicas.get_group() if replicas.size() > 1 else None
-            params = expert_parameters(self.lightning_module)
-            sync_expert_gradients(params, group, self.dims.data_size)
+        if self.dims.ep > 1:  # completes the expert gradients' division by the data ranks
+            scale_expert_gradients(expert_parameters(self.lightning_module), self.dims.ep)
         super().before_optimizer_step()
 
     @property
