@@ -107,6 +107,8 @@ def histogram(trainer, name: str, counts) -> None:
             import wandb
 
             values = [j for j, c in enumerate(counts.tolist()) for _ in range(int(c))]
-            logger.experiment.log(
+            # Lightning's path: one W&B row whose x-axis is trainer/global_step (an explicit
+            # `step=` would be dropped, W&B's own step counter being ahead of the trainer's).
+            logger.log_metrics(
                 {name: wandb.Histogram(values, num_bins=len(counts))}, step=trainer.global_step
             )

@@ -54,6 +54,9 @@ def make_logger(cfg, ctx, mode: str) -> RunWandbLogger:
     elif not os.environ.get("WANDB_MODE", "x"):
         del os.environ["WANDB_MODE"]  # an empty value makes wandb fail; it means "unset"
     run = init_run(cfg, ctx, mode)
+    # Charts against the trainer's step, as Lightning sets up for the runs it creates itself.
+    run.define_metric("trainer/global_step")
+    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
     offline = run.settings.mode == "offline" and getattr(run, "dir", None)
     offline_dir = os.path.dirname(run.dir) if offline else None
     return RunWandbLogger(offline_dir=offline_dir, experiment=run, clean=ctx.clean, **kwargs)

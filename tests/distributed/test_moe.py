@@ -203,5 +203,8 @@ def test_load_metrics_reach_wandb_as_a_histogram(workdir):
         [str(FW), "train", *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    record = next((workdir / "run" / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    run = next((workdir / "run" / "wandb").glob("offline-run-*"))
+    record = next(run.glob("run-*.wandb")).read_bytes()
     assert b"moe/layer0/tokens_per_expert" in record and b"moe/layer1/max_load" in record
+    internal = (run / "logs" / "debug-internal.log").read_text()
+    assert "ignoring partial history" not in internal, "W&B dropped rows logged at a stale step"
