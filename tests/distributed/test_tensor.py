@@ -266,7 +266,10 @@ def test_export_of_a_tensor_parallel_checkpoint_equals_the_one_process_model(sin
         (["strategy=tensor", "strategy.tp=3"], "the degrees multiply to 3, but the job has 2"),
         (["strategy=fsdp_tp", "trainer.devices=3"], "does not divide the 3 processes"),
         (["strategy=tensor", "strategy.dp=-1", "strategy.tp=-1"], "only one degree may be -1"),
-        (["strategy=tensor", "strategy.ep=2"], "expert parallel borrows its ranks from the fsdp degree"),
+        (
+            ["strategy=tensor", "strategy.ep=2"],
+            "expert parallel borrows its ranks from the fsdp degree",
+        ),
         (
             ["strategy=tensor", "experiment=gpt_tiny", "task.model.n_head=1"],
             "task.model.n_head=1: must be divisible by the tensor-parallel degree",
