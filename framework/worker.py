@@ -16,12 +16,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework import secrets
+from framework import secrets, watchdog
 from framework.context import RunContext, load_run_state
 from framework.logs import quiet_lightning, setup_logging
 from framework.plugins import load_plugin, typed_config
 from framework.strategy_base import StrategyInputs
-from framework.world import World
+from framework.world import RESTART_ENV, World
 
 log = logging.getLogger("framework.worker")
 
@@ -77,12 +77,22 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     callbacks = [
         build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]
+    beat = watchdog.start_beating(world.rank)  # when the launcher watches for hangs
+    if world.is_cuda:
+        (run_dir / "stacks").mkdir(exist_ok=True)
+        for name, value in watchdog.nccl_settings(run_dir).items():
+            os.environ.setdefault(name, value)
+    callbacks += [beat] if beat is not None else []
     # with one global order the strategy distributes the loaders (framework.data.order)
     own_order = cfg.task.data_order == "global"
     trainer = make_trainer(cfg.trainer, world, strategy, loggers, callbacks, run_dir, own_order)
     ckpt_path = str(resume_from / STATE_FILE) if resume_from else None
+    restart = int(os.environ.get(RESTART_ENV, "0"))
+    if restart:  # what torchrun's own restarts would say (0 under one agent run otherwise)
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(restart)
     if resume_from and trainer.is_global_zero:
-        log.info("Resuming from %s (step %d)", resume_from, ctx.resume_step)
+        again = f" (restart {restart})" if restart else ""
+        log.info("Resuming from %s (step %d)%s", resume_from, ctx.resume_step, again)
     trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     close_process_group()
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)

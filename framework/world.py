@@ -48,6 +48,9 @@ def env(name: str, slurm_name: str, default):
     return os.environ.get(name, os.environ.get(slurm_name, default))
 
 
+RESTART_ENV = "FW_RESTART_COUNT"  # set by launcher=local: which start of the job this is
+
+
 def global_rank() -> int:
     return int(env("RANK", "SLURM_PROCID", 0))
 

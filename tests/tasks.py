@@ -338,3 +338,39 @@ class ExpertGradNorms(pl.Callback):
         if trainer.global_rank == 0:
             with open(os.path.join(self.out, "expert-grads.json"), "w") as fh:
                 json.dump(norms, fh)
+
+
+class HangingDigitsTask(DigitsTask):
+    """Rank `hang_rank` blocks at `hang_step` (the others then wait in the next collective);
+    every rank writes its pid to `out/pid-rank{r}`, and the hanging rank the time it stopped
+    to `out/hung`."""
+
+    def __init__(self, out: str, hang_rank: int = 1, hang_step: int = 3, hidden: int = 32) -> None:
+        super().__init__(hidden=hidden)
+        self.out, self.hang_rank, self.hang_step = out, hang_rank, hang_step
+
+    def on_train_start(self) -> None:
+        with open(os.path.join(self.out, f"pid-rank{self.global_rank}"), "w") as fh:
+            fh.write(str(os.getpid()))
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.hang_step and self.global_rank == self.hang_rank:
+            with open(os.path.join(self.out, "hung"), "w") as fh:
+                fh.write(str(time.time()))
+            time.sleep(3600)
+        return super().training_step(batch, batch_idx)
+
+
+class StragglerDigitsTask(DigitsTask):
+    """Rank `slow_rank` computes (busy-waits) `step_sleep` seconds more in every training step."""
+
+    def __init__(self, slow_rank: int = 1, step_sleep: float = 0.05, hidden: int = 32) -> None:
+        super().__init__(hidden=hidden)
+        self.slow_rank, self.step_sleep = slow_rank, step_sleep
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.slow_rank:
+            end = time.perf_counter() + self.step_sleep
+            while time.perf_counter() < end:
+                pass
+        return super().training_step(batch, batch_idx)

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from framework import checkpointing, rng
+from framework import checkpointing, rng, watchdog
 from framework.data.order import resumable_part
 from framework.data.sampler import GlobalOrderSampler
 from framework.errors import EXIT_PREEMPTED
@@ -176,6 +176,10 @@ class Checkpointer(pl.Callback):
         checkpointing.prune(self.ckpt_dir, cfg.keep_last, cfg.keep_best, cfg.monitor, cfg.mode)
 
     def save(self, trainer: pl.Trainer) -> None:
+        with watchdog.busy():  # however long the save takes, it is not a hang
+            self._save(trainer)
+
+    def _save(self, trainer: pl.Trainer) -> None:
         step = trainer.global_step
         tmp = self.ckpt_dir / (checkpointing.name_for(step) + ".tmp")
         if trainer.is_global_zero:

@@ -3,25 +3,34 @@
 This is the machinery torchrun uses (rendezvous, worker monitoring, error files), driven from
 Python: the workers run `python -m framework.worker RUN_DIR/config.yaml`, never `sys.argv` again.
 When a worker fails, the others are stopped within `shutdown_timeout` seconds and the failure is
-reported with the rank, its exit code and its exception.
+reported with the rank, its exit code and its exception; with `max_restarts` the workers are then
+started again from the newest complete checkpoint. A watchdog (framework.watchdog) ends a job
+whose ranks stop making progress, with every rank's stack in the run directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from framework import checkpointing
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, ConfigError
-from framework.world import World
+from framework.watchdog import HEARTBEAT_ENV, Watchdog
+from framework.world import RESTART_ENV, World
+
+log = logging.getLogger("framework.launcher")
 
 __all__ = ["Config", "WorkerFailure", "WorkersPreempted", "build", "validate"]
 
@@ -39,6 +48,19 @@ class Config:
         2, "On CPU, the most worker processes allowed per core (trainer.devices is checked).", min=1
     )
     rdzv_endpoint: str = doc("localhost:0", "Rendezvous address (port 0: any free port).")
+    max_restarts: int = doc(
+        0,
+        "When a worker fails or the job hangs, stop every worker and start them again from the "
+        "newest complete checkpoint, up to this many times (a preempted job is not restarted).",
+        min=0,
+    )
+    hang_timeout_s: float = doc(
+        300.0,
+        "End (or restart) the job when a rank makes no training progress for this many seconds, "
+        "after dumping every rank's Python stack into RUN_DIR/stacks (checkpoint saves and "
+        "loads pause the clock; 0: no watchdog).",
+        min=0,
+    )
     start_method: str = doc(
         "auto",
         "fork: workers are copies of the fw process (no second import of torch and Lightning); "
@@ -69,25 +91,55 @@ def validate(cfg: Config, world: World) -> None:
 
 
 def build(cfg: Config, world: World):
-    """A function that starts the job's workers and waits for them."""
+    """A function that starts the job's workers and waits for them (restarting them on failure
+    while `max_restarts` allows)."""
 
     def launch(config_path: Path, resume_from: Path | None = None) -> None:
         method = cfg.start_method
         if method == "auto":
             # CUDA cannot be used in a forked child once the parent touched it.
             method = "spawn" if world.is_cuda else "fork"
-        if method == "fork":
-            from framework.worker import forked_entry
-
-            entrypoint, args = forked_entry, (str(config_path), str(resume_from or ""))
-        else:
-            entrypoint, args = sys.executable, ("-m", "framework.worker", str(config_path))
-            if resume_from is not None:
-                args += ("--resume", str(resume_from))
-        with forward_signals(PREEMPT_SIGNALS):
-            start_workers(cfg, world, method, entrypoint, args, config_path.parent)
+        run_dir = config_path.parent
+        for attempt in range(cfg.max_restarts + 1):
+            if attempt:  # from the newest checkpoint this job completed, else where it began
+                resume_from = checkpointing.newest_complete(run_dir / "checkpoints") or resume_from
+            os.environ[RESTART_ENV] = str(attempt)
+            with forward_signals(PREEMPT_SIGNALS):
+                failure = start_workers(
+                    cfg, world, method, worker_args(method, config_path, resume_from), run_dir
+                )
+            if failure is None:
+                return
+            if attempt == cfg.max_restarts:
+                after = f" (after {attempt} restart{'s' * (attempt > 1)})" if attempt else ""
+                raise WorkerFailure(failure + after)
+            log.warning("Restart %d of %d after: %s", attempt + 1, cfg.max_restarts, failure)
+            record_restart(run_dir, attempt + 1, failure)
 
     return launch
+
+
+def worker_args(method: str, config_path: Path, resume_from: Path | None) -> tuple:
+    """The entry point and arguments of every worker."""
+    if method == "fork":
+        from framework.worker import forked_entry
+
+        return forked_entry, (str(config_path), str(resume_from or ""))
+    args = ("-m", "framework.worker", str(config_path))
+    if resume_from is not None:
+        args += ("--resume", str(resume_from))
+    return sys.executable, args
+
+
+def record_restart(run_dir: Path, attempt: int, cause: str) -> None:
+    """Each restart and its cause, kept in run.json."""
+    from framework.context import load_run_state
+
+    state = load_run_state(run_dir)
+    state.setdefault("restarts", []).append(
+        {"attempt": attempt, "time": time.time(), "cause": cause}
+    )
+    checkpointing.write_json_atomic(run_dir / "run.json", state)
 
 
 @contextlib.contextmanager
@@ -123,8 +175,10 @@ def child_pids(parent: int) -> list[int]:
 
 
 def start_workers(
-    cfg: Config, world: World, method: str, entrypoint, args: tuple, run_dir: Path
-) -> None:
+    cfg: Config, world: World, method: str, entry: tuple, run_dir: Path
+) -> str | None:
+    """Run the workers once: None when they all finished, else what failed (raises
+    WorkersPreempted when they stopped on a preemption signal)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -137,22 +191,37 @@ def start_workers(
         run_id=f"fw-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
         rdzv_endpoint=cfg.rdzv_endpoint,
-        max_restarts=0,
+        max_restarts=0,  # restarts are ours: the agent would also restart preempted workers
         monitor_interval=cfg.monitor_interval,
         start_method=method,
         shutdown_timeout=cfg.shutdown_timeout,
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM/SIGUSR1 mean: checkpoint, then stop
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
     )
+    beats = log_dir / "heartbeat"
+    beats.mkdir()
+    watchdog = None
+    if cfg.hang_timeout_s > 0:
+        os.environ[HEARTBEAT_ENV] = str(beats)
+        pids = functools.partial(child_pids, os.getpid())
+        watchdog = Watchdog(beats, world.world_size, cfg.hang_timeout_s, run_dir, pids)
+        watchdog.start()
+    entrypoint, args = entry
     try:
         elastic_launch(launch_config, entrypoint)(*args)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         if EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}:
             raise WorkersPreempted(preempted_message(run_dir)) from None
-        raise WorkerFailure(describe_failures(err, log_dir)) from None
+        if watchdog is not None and watchdog.fired:
+            return watchdog.fired
+        return describe_failures(err, log_dir)
     finally:
+        os.environ.pop(HEARTBEAT_ENV, None)
+        if watchdog is not None:
+            watchdog.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
+    return None
 
 
 def preempted_message(run_dir: Path) -> str:

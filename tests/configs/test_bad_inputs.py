@@ -55,6 +55,12 @@ CASES = {
         "logger.wandb.init_timeout=0.0: must be greater than 0",
     ),
     "zero processes per core": (["launcher.processes_per_core=0"], "launcher.processes_per_core=0"),
+    "negative restarts": (["launcher.max_restarts=-1"], "launcher.max_restarts=-1"),
+    "negative hang timeout": (["launcher.hang_timeout_s=-5"], "launcher.hang_timeout_s=-5"),
+    "straggler threshold below 1": (
+        ["callbacks.stragglers.threshold=0.5"],
+        "callbacks.stragglers.threshold=0.5",
+    ),
     "zero microbatches": (
         ["strategy=pipeline", "strategy.microbatches=0"],
         "strategy.microbatches=0",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -85,6 +86,28 @@ def kill_then_restart(args: list[str], run: Path, kill_step: int, workdir: Path)
     again = fw("train", *args, f"run.dir={run}", cwd=workdir)
     assert again.returncode == 0, again.stderr[-3000:]
     return again.stderr
+
+
+def test_a_killed_worker_is_restarted_and_the_job_finishes_exactly(reference, workdir):
+    from framework.launchers.local import child_pids
+
+    run = workdir / "run"
+    proc = start([*SLOW, "launcher.max_restarts=1", f"run.dir={run}"], workdir)
+    try:
+        wait_for_step(run, 12, proc)
+        workers = sorted(child_pids(proc.pid))
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Restart 1 of 1 after: rank" in err and "killed by signal SIGKILL" in err, err[-3000:]
+    assert "(restart 1)" in err, "the restarted workers resumed from a checkpoint"
+    restarts = json.loads((run / "run.json").read_text())["restarts"]
+    assert [r["attempt"] for r in restarts] == [1] and "SIGKILL" in restarts[0]["cause"]
+    assert_same_as_reference(run, reference)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -1,0 +1,124 @@
+"""A job that loses a worker, hangs or has a slow rank: it ends quickly and says which rank, dumps
+every rank's stack when it hangs, and names a straggler. (Restarts that resume exactly are in
+test_resume.py, next to the uninterrupted reference run.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from framework.launchers.local import child_pids
+from tests.conftest import FW, QUIET, fw, fw_env, read_metrics
+
+pytestmark = pytest.mark.slow
+DIGITS = ["~task.model.dropout", "task.model.hidden=16", "trainer.devices=2", *QUIET]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_hung_rank_ends_the_job_with_every_ranks_stack(workdir):
+    timeout = 4
+    proc = subprocess.Popen(
+        [
+            str(FW),
+            "train",
+            "task._target_=tests.tasks.HangingDigitsTask",
+            f"+task.model.out={workdir}",
+            *DIGITS,
+            "trainer.max_steps=50",
+            f"launcher.hang_timeout_s={timeout}",
+            "run.dir=run",
+        ],
+        cwd=workdir,
+        env=fw_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ended = time.time()
+    assert proc.returncode == 1, err[-3000:]
+    hung = float((workdir / "hung").read_text())
+    assert ended - hung < timeout + 15, "the job ends soon after the hang timeout"
+    assert "the job hung: no training progress within launcher.hang_timeout_s=4" in err
+    stacks = sorted((workdir / "run" / "stacks").glob("*/rank*.txt"))
+    assert [p.name for p in stacks] == ["rank0.txt", "rank1.txt"], err[-3000:]
+    assert "training_step" in stacks[1].read_text(), "the hung rank's stack shows where it is"
+    assert "distributed_c10d.py" in stacks[0].read_text(), "the other rank waits in a collective"
+    pids = [int((workdir / f"pid-rank{r}").read_text()) for r in (0, 1)]
+    assert not any(alive(pid) for pid in pids), "no worker is left behind"
+
+
+def test_a_worker_killed_without_restarts_ends_the_job_naming_it(workdir):
+    proc = subprocess.Popen(
+        [
+            str(FW),
+            "train",
+            "task._target_=tests.tasks.SlowDigitsTask",
+            *DIGITS[1:],
+            "+task.model.step_sleep=0.05",
+            "trainer.max_steps=2000",
+            "trainer.log_every_n_steps=1",
+            "run.dir=run",
+        ],
+        cwd=workdir,
+        env=fw_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (workdir / "run" / "metrics.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = sorted(child_pids(proc.pid))
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        err = proc.communicate(timeout=60)[1]
+        assert time.monotonic() - killed < 30, "the job ends within 30 s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert "failed: no Python exception recorded (killed by signal SIGKILL)" in err, err[-3000:]
+    assert "Restart" not in err
+
+
+def test_a_slow_rank_is_named_as_the_straggler(workdir):
+    result = fw(
+        "train",
+        "task._target_=tests.tasks.StragglerDigitsTask",
+        *DIGITS,
+        "+task.model.step_sleep=0.05",
+        "trainer.max_steps=12",
+        "trainer.log_every_n_steps=1",
+        "callbacks.stragglers.every_n_steps=4",
+        "run.dir=run",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "rank 1 takes" in result.stderr and "Stragglers (data wait + own compute" in result.stderr
+    )
+    rows = [r for r in read_metrics(workdir / "run") if r.get("perf/slowest_rank")]
+    assert int(rows[0]["step"]) == 3, "first compared after every_n_steps batches"
+    assert {float(r["perf/slowest_rank"]) for r in rows} == {1.0}
+    assert min(float(r["perf/straggler_ratio"]) for r in rows) > 1.5
