@@ -172,7 +172,8 @@ def run_job(job: Job) -> None:
         log.info("Run directory: %s", job.run_dir)
     else:
         config_path = job.run_dir / "config.yaml"
-    if external or job.world.world_size == 1:
+    restarts = job.cfg.launcher.get("max_restarts", 0)
+    if external or (job.world.world_size == 1 and not restarts):  # restarts need a launcher
         cfg = job.cfg if external else OmegaConf.load(config_path)
         worker.run(cfg, job.run_dir, job.resume_from)
         return
