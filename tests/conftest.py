@@ -92,3 +92,19 @@ def workdir(tmp_path: Path) -> Path:
     d = tmp_path / "work"
     d.mkdir()
     return d
+
+
+def refused(args: list[str], cwd: Path, monkeypatch, capsys) -> str:
+    """`fw train ARGS` run in this process (as `fw` would, without its start-up cost): it exits
+    with code 2 and one line, no traceback, nothing written in `cwd`. Returns the line."""
+    from framework.cli import main
+
+    monkeypatch.chdir(cwd)
+    before = set(cwd.iterdir())
+    code = main(["train", *args, "run.dir=run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert set(cwd.iterdir()) == before, "nothing written for a refused job"
+    return err

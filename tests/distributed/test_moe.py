@@ -155,10 +155,6 @@ MOVES = {
         ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
         LAYOUTS["ep2"],
     ),
-    "ep2-to-ddp2": (
-        LAYOUTS["ep2"],
-        ["strategy=ddp", "trainer.devices=2", "task.data.batch_size=8"],
-    ),
 }
 
 

@@ -74,7 +74,6 @@ def test_every_layout_reads_back_as_the_same_full_state(runs):
 MOVES = [
     (("ddp", 2), ("zero2", 2)),
     (("zero2", 2), ("zero3", 4)),
-    (("zero3", 4), ("zero1", 2)),
     (("zero3", 4), ("fsdp", 2)),
     (("fsdp", 2), ("ddp", 1)),
     (("fsdp", 2), ("zero2", 4)),

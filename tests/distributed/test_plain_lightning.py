@@ -56,7 +56,7 @@ def test_two_processes_with_half_the_batch_reproduce_one_process(one_process, wo
     assert not close(losses(workdir / "keep1"), losses(workdir / "keep2"))
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("devices", [2])  # one process: the same sampler, fewer ranks
 def test_kill_9_then_restart_is_exact_for_a_plain_loader(devices, workdir):
     args = [
         *PLAIN,

@@ -110,7 +110,7 @@ def test_a_killed_worker_is_restarted_and_the_job_finishes_exactly(reference, wo
     assert_same_as_reference(run, reference)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])  # a worker killed at another step: the restart test
 def test_kill_9_at_a_random_step_then_restart_is_exact(seed, reference, workdir):
     kill_step = random.Random(seed).randint(3, STEPS - 5)
     err = kill_then_restart(SLOW, workdir / "run", kill_step, workdir)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.conftest import QUIET, fw, losses, metric_rows
+from tests.conftest import QUIET, fw, losses, metric_rows, refused
 from tests.distributed.test_resume import SLOW, kill_then_restart
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,8 @@ def ddp_losses(digits_runs, one_process):
 
 
 @pytest.mark.parametrize(
-    "strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp"]
+    "strategy",
+    ["zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp"],  # zero1: on gpt
 )
 def test_sharded_reproduces_ddp_on_digits(strategy, ddp_losses, digits_runs, workdir):
     run = digits_runs / strategy
@@ -152,10 +153,10 @@ def test_export_of_sharded_checkpoints_equals_the_ddp_model(digits_runs, workdir
         ),
     ],
 )
-def test_invalid_sharding_settings_are_refused_before_launch(args, message, workdir):
-    result = fw("train", *args, "run.dir=run", cwd=workdir)
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
-    assert not (workdir / "run").exists()
+def test_invalid_sharding_settings_are_refused_before_launch(
+    args, message, workdir, monkeypatch, capsys
+):
+    assert message in refused(args, workdir, monkeypatch, capsys)
 
 
 def test_fsdp_with_named_units_reproduces_ddp_on_gpt(ddp_losses, workdir):
