@@ -45,6 +45,7 @@ bench: install
 	$(BIN)/python -m benchmarks.tensor
 	$(BIN)/python -m benchmarks.pipeline
 	$(BIN)/python -m benchmarks.moe
+	$(BIN)/python -m benchmarks.checkpoint_stall
 	$(BIN)/python -m benchmarks.plot
 
 clean:

@@ -87,6 +87,20 @@ class KillDuringSave(pl.Callback):
             os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
 
 
+class KillAfterSave(pl.Callback):
+    """SIGKILLs the whole job at the end of `step`, after that step's checkpoint was started
+    (with async saves: still being written or not yet committed), once (`marker`)."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step = step
+        self.marker = marker
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+
+
 class IndexedDigits(pl.LightningDataModule):
     """Digits whose batches also carry each sample's index, to check which samples were seen."""
 

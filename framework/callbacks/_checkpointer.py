@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
+import threading
 import time
 from typing import Any
 
@@ -52,6 +53,8 @@ class Checkpointer(pl.Callback):
         self._vote = PreemptionVote()
         self.names_recorded = False
         self.data_state: Any = None  # every rank's stateful sampler or dataset position
+        self.pending: dict[str, Any] | None = None  # a checkpoint being written in the background
+        self.stall = 0.0
 
     @property
     def state_key(self) -> str:
@@ -135,9 +138,11 @@ class Checkpointer(pl.Callback):
         # The last step is saved here, not in on_train_end: by then Lightning has closed the
         # epoch, and a resume with a larger max_steps would start a new one.
         due = due or (self.cfg.save_on_train_end and 0 < trainer.max_steps <= step)
+        self.finish_pending(trainer, wait=False)
         if (due or preempt) and step != self.last_saved and step > 0:
             self.save(trainer)
         if preempt:
+            self.finish_pending(trainer)  # stop only with the checkpoint complete
             self.preempted_at = step
             trainer.should_stop = True
 
@@ -150,6 +155,8 @@ class Checkpointer(pl.Callback):
         rng.restore(self._rng_before_validation)
         if trainer.sanity_checking:
             return
+        if self.pending is not None and self.pending["step"] == trainer.global_step:
+            self.finish_pending(trainer)  # this step's checkpoint is committed, then updated
         if trainer.global_step == self.last_saved and trainer.is_global_zero:
             # this step's checkpoint was written before its validation: record the new metrics
             checkpointing.update_metrics(
@@ -166,6 +173,7 @@ class Checkpointer(pl.Callback):
         step = trainer.global_step
         if self.cfg.save_on_train_end and step > 0 and step != self.last_saved:
             self.save(trainer)
+        self.finish_pending(trainer)  # nothing is left half-written at exit
 
     # ---- saving
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -176,10 +184,12 @@ class Checkpointer(pl.Callback):
         checkpointing.prune(self.ckpt_dir, cfg.keep_last, cfg.keep_best, cfg.monitor, cfg.mode)
 
     def save(self, trainer: pl.Trainer) -> None:
+        started = time.perf_counter()
         with watchdog.busy():  # however long the save takes, it is not a hang
-            self._save(trainer)
+            self.finish_pending(trainer)  # at most one background write in flight
+            self._save(trainer, started)
 
-    def _save(self, trainer: pl.Trainer) -> None:
+    def _save(self, trainer: pl.Trainer, started: float) -> None:
         step = trainer.global_step
         tmp = self.ckpt_dir / (checkpointing.name_for(step) + ".tmp")
         if trainer.is_global_zero:
@@ -189,28 +199,77 @@ class Checkpointer(pl.Callback):
         own = resumable_part(trainer.train_dataloader)
         self.data_state = _gather(own.state_dict(), trainer.world_size) if own else None
         trainer.strategy.barrier("checkpoint-dir")
+        background = self.cfg.async_save and hasattr(trainer.strategy, "async_saves")
+        if background:
+            trainer.strategy.async_saves = True
         trainer.save_checkpoint(tmp / STATE_FILE, weights_only=False)
-        if trainer.is_global_zero:
-            metrics = _scalar_metrics(trainer)
-            meta = {
-                "step": step,
-                "epoch": trainer.current_epoch,
-                "run_id": self.ctx.run_id,
-                "config_hash": self.ctx.config_hash,
-                "config": self.ctx.config,
-                "world_size": trainer.world_size,
-                "metrics": metrics,
-                "time": time.time(),
-                "format": self.ctx.checkpoint_format,
-                "state": STATE_FILE,
-                "parameter_names": self.names_recorded,
-            }
-            path = checkpointing.commit(tmp, meta)
-            self._prune()
-            log.info("Checkpoint saved: %s", path)
-        trainer.strategy.barrier("checkpoint-commit")
+        self.stall = time.perf_counter() - started  # what training waited for this save
+        meta = self._meta(trainer, step) if trainer.is_global_zero else {}
         self.rng_states = []
         self.last_saved = step
+        future = getattr(trainer.strategy, "pending_save", None) if background else None
+        if future is not None:  # rank 0 commits it once written, in the background too
+            trainer.strategy.pending_save = None
+            self.pending = {"future": future, "step": step, "error": None}
+            if trainer.is_global_zero:
+                commit = threading.Thread(
+                    target=self._commit_when_written,
+                    args=(future, tmp, meta, self.pending),
+                    daemon=True,
+                )
+                self.pending["thread"] = commit
+                commit.start()
+            return
+        if trainer.is_global_zero:
+            self._commit(tmp, meta)
+        trainer.strategy.barrier("checkpoint-commit")
+
+    def finish_pending(self, trainer: pl.Trainer, wait: bool = True) -> None:
+        """Wait for the background write (and, on rank 0, its commit: DCP's coordinator finishes
+        only after every rank wrote its part). `wait=False`: only forget it if it is done."""
+        pending = self.pending
+        if pending is None:
+            return
+        waiter = pending.get("thread")
+        if not wait and (waiter.is_alive() if waiter else not pending["future"].done()):
+            return
+        if waiter is not None:
+            waiter.join()
+        else:
+            pending["future"].result()  # a failed write raises here
+        self.pending = None
+        if pending["error"] is not None:
+            raise pending["error"]
+
+    def _commit_when_written(self, future, tmp, meta: dict[str, Any], pending: dict) -> None:
+        try:
+            future.result()
+            self._commit(tmp, meta)
+        except BaseException as err:  # raised in the training thread by finish_pending
+            pending["error"] = err
+
+    def _meta(self, trainer: pl.Trainer, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "epoch": trainer.current_epoch,
+            "run_id": self.ctx.run_id,
+            "config_hash": self.ctx.config_hash,
+            "config": self.ctx.config,
+            "world_size": trainer.world_size,
+            "metrics": _scalar_metrics(trainer),
+            "time": time.time(),
+            "format": self.ctx.checkpoint_format,
+            "state": STATE_FILE,
+            "parameter_names": self.names_recorded,
+            # training's wait until the state was written (with async_save: copied, plus any
+            # earlier write still in flight); the digests and rename of the commit come after
+            "stall_s": self.stall,
+        }
+
+    def _commit(self, tmp, meta: dict[str, Any]) -> None:
+        path = checkpointing.commit(tmp, meta)
+        self._prune()
+        log.info("Checkpoint saved: %s", path)
 
 
 class PreemptionVote:

@@ -27,6 +27,12 @@ class Config:
     monitor: str | None = doc(None, "Metric ranking checkpoints for keep_best, e.g. val/loss.")
     mode: str = doc("min", "Whether a lower or a higher `monitor` value is better.", ("min", "max"))
     save_on_train_end: bool = doc(True, "Also save when training ends between checkpoints.")
+    async_save: bool = doc(
+        False,
+        "Write checkpoints in the background (DCP's async_save; the DCP layouts of "
+        "strategy=fsdp|tensor|fsdp_tp|pipeline|expert): training waits only while the state is "
+        "copied; a checkpoint counts once complete; at most one save in flight.",
+    )
     on_preemption: bool = doc(
         True,
         "On SIGTERM/SIGUSR1: save at a step boundary (the next, or the one after) and exit 75.",

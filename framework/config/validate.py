@@ -33,12 +33,26 @@ def validate(cfg: DictConfig) -> World:
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
     strategy = typed_config(plugin, cfg.strategy, "strategy")
     plugin.validate(strategy, world, JobView(cfg.task, cfg.trainer, model))
+    check_async_save(cfg, plugin.checkpoint_format(strategy, world))
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     launcher.validate(typed_config(launcher, cfg.launcher, "launcher"), world)
     for family in NAMED_FAMILIES:
         for name, entry in (cfg.get(family) or {}).items():
             check_named_entry(family, name, entry, world)
     return world
+
+
+def check_async_save(cfg: DictConfig, ckpt_format: str) -> None:
+    """Background checkpoint writes exist for the DCP layouts only."""
+    ckpt = (cfg.get("callbacks") or {}).get("checkpoint")
+    if ckpt is not None and ckpt.get("async_save") and ckpt_format not in ("dcp", "dcp_flat"):
+        raise ConfigError(
+            "callbacks.checkpoint.async_save",
+            True,
+            f"the {cfg.strategy.kind} strategies write '{ckpt_format}' checkpoints, which are "
+            "saved in the foreground only",
+            hint="Use strategy=fsdp|tensor|fsdp_tp|pipeline|expert, or async_save=false.",
+        )
 
 
 def check_fields(node: Any, prefix: str) -> None:

@@ -56,6 +56,10 @@ CASES = {
     ),
     "zero processes per core": (["launcher.processes_per_core=0"], "launcher.processes_per_core=0"),
     "negative restarts": (["launcher.max_restarts=-1"], "launcher.max_restarts=-1"),
+    "async saves of a non-DCP layout": (
+        ["callbacks.checkpoint.async_save=true", "strategy=zero2", "trainer.devices=2"],
+        "callbacks.checkpoint.async_save=True: the deepspeed strategies write 'deepspeed' checkpoints",
+    ),
     "negative hang timeout": (["launcher.hang_timeout_s=-5"], "launcher.hang_timeout_s=-5"),
     "straggler threshold below 1": (
         ["callbacks.stragglers.threshold=0.5"],

@@ -125,6 +125,37 @@ def test_kill_9_and_restart_is_exact_under_sharding(strategy, workdir):
     assert metric_rows(workdir / "run") == metric_rows(workdir / "reference")
 
 
+def test_async_saves_equal_sync_saves_and_a_kill_mid_write_resumes_from_the_one_before(
+    digits_runs, workdir
+):
+    from framework.export import consolidated_state
+
+    marker = workdir / "killed"
+    args = [
+        "strategy=fsdp",
+        *DIGITS,
+        *(a for a in PARITY if a != "callbacks=none"),
+        "callbacks.checkpoint.every_n_steps=5",
+        "callbacks.checkpoint.async_save=true",
+        "+callbacks.kill._target_=tests.tasks.KillAfterSave",
+        "+callbacks.kill.step=10",
+        f"+callbacks.kill.marker={marker}",
+        "run.dir=run",
+    ]
+    first = fw("train", *args, cwd=workdir)
+    assert first.returncode != 0 and marker.exists(), first.stderr[-3000:]
+    checkpoints = workdir / "run" / "checkpoints"
+    assert (checkpoints / "step00000005" / "meta.json").is_file()
+    assert not (checkpoints / "step00000010").exists(), "a write in flight is never committed"
+    again = fw("train", *args, cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(step 5)" in again.stderr, "resumed from the last complete checkpoint"
+    assert losses(workdir / "run") == losses(digits_runs / "fsdp")
+    a = consolidated_state(checkpoints / "step00000020")
+    b = consolidated_state(digits_runs / "fsdp" / "checkpoints" / "step00000020")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "sync = async"
+
+
 def test_export_of_sharded_checkpoints_equals_the_ddp_model(digits_runs, workdir):
     for strategy in SAVED:
         exported = fw("export", str(digits_runs / strategy), f"{strategy}.pt", cwd=workdir)

@@ -53,6 +53,9 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         self.dims = dims
         self.pipeline: PipelineRunner | None = None
         self.ties: stages.Ties | None = None
+        self.async_saves = False  # set by callbacks.checkpoint.async_save
+        self.pending_save = None  # the Future of the last background write
+        self._save_group = None
 
     # ---- processes
     def setup_environment(self) -> None:
@@ -240,6 +243,27 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             )
 
     # ---- checkpoints
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        """Lightning's DCP save, or with `async_saves` the same files written by a background
+        thread: the state is copied first, so training may go on changing it."""
+        if not self.async_saves:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(self.broadcast(filepath))
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = optimizer_state
+        if self._save_group is None:  # its own group: the writer thread's collectives must not
+            self._save_group = dist.new_group(backend="gloo")  # interleave with training's
+        self.pending_save = dcp.async_save(
+            state, checkpoint_id=path, process_group=self._save_group
+        )
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / "meta.pt")
+        return None
+
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         if self.pipeline is None:
             return super().optimizer_state(optimizer)
