@@ -2,7 +2,7 @@
 
 The gpt recipe at a size whose checkpoint (model + AdamW state) takes a second or more to write
 (8 layers, width 768: about 57 M parameters, 0.7 GB of state), under `strategy=fsdp` on 2
-processes, saves every 3 steps. Each checkpoint's meta.json records `stall_s`: what rank 0 waited
+processes, saves every 2 steps. Each checkpoint's meta.json records `stall_s`: what rank 0 waited
 from the start of the save until the state was written (synchronous) or copied for the background
 writer (async, plus any earlier write still in flight). The commit (digests, rename) comes after
 it: synchronous saves pay it in the training thread, async ones in a background thread. So the
@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.common import load_average, save_results, train_command
 
 REPEATS = 2
-STEPS, EVERY = 9, 3
+STEPS, EVERY = 6, 2
 MODEL = [
     "task=gpt",
     "task.model.n_layer=8",
@@ -48,7 +48,7 @@ def run(async_save: bool, root: Path) -> tuple[list[float], float, float]:
         "+callbacks.checkpoint.kind=checkpoint",
         f"+callbacks.checkpoint.every_n_steps={EVERY}",
         f"+callbacks.checkpoint.async_save={str(async_save).lower()}",
-        "+callbacks.checkpoint.keep_last=1",
+        "+callbacks.checkpoint.keep_last=5",
         "+callbacks.checkpoint.keep_best=0",
     )
     start = time.perf_counter()
@@ -62,7 +62,8 @@ def run(async_save: bool, root: Path) -> tuple[list[float], float, float]:
             path = Path(line.split("Checkpoint saved: ")[1].strip())
             if (path / "meta.json").exists():
                 stalls.append(json.loads((path / "meta.json").read_text())["stall_s"])
-    size = sum(f.stat().st_size for f in (run_dir / "checkpoints").rglob("*") if f.is_file())
+    last = (run_dir / "checkpoints" / "last").resolve()
+    size = sum(f.stat().st_size for f in last.rglob("*") if f.is_file())
     return stalls, wall, size / 1e9
 
 
