@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from framework.launchers.local import child_pids
-from tests.conftest import FW, QUIET, fw, fw_env, read_metrics
+from tests.conftest import QUIET, fw, read_metrics
+from tests.distributed.test_resume import start, wait_for_step
 
 pytestmark = pytest.mark.slow
 DIGITS = ["~task.model.dropout", "task.model.hidden=16", "trainer.devices=2", *QUIET]
@@ -29,24 +29,15 @@ def alive(pid: int) -> bool:
 
 def test_a_hung_rank_ends_the_job_with_every_ranks_stack(workdir):
     timeout = 4
-    proc = subprocess.Popen(
-        [
-            str(FW),
-            "train",
-            "task._target_=tests.tasks.HangingDigitsTask",
-            f"+task.model.out={workdir}",
-            *DIGITS,
-            "trainer.max_steps=50",
-            f"launcher.hang_timeout_s={timeout}",
-            "run.dir=run",
-        ],
-        cwd=workdir,
-        env=fw_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    args = [
+        "task._target_=tests.tasks.HangingDigitsTask",
+        f"+task.model.out={workdir}",
+        *DIGITS,
+        "trainer.max_steps=50",
+        f"launcher.hang_timeout_s={timeout}",
+        "run.dir=run",
+    ]
+    proc = start(args, workdir)
     try:
         err = proc.communicate(timeout=120)[1]
     finally:
@@ -66,28 +57,17 @@ def test_a_hung_rank_ends_the_job_with_every_ranks_stack(workdir):
 
 
 def test_a_worker_killed_without_restarts_ends_the_job_naming_it(workdir):
-    proc = subprocess.Popen(
-        [
-            str(FW),
-            "train",
-            "task._target_=tests.tasks.SlowDigitsTask",
-            *DIGITS[1:],
-            "+task.model.step_sleep=0.05",
-            "trainer.max_steps=2000",
-            "trainer.log_every_n_steps=1",
-            "run.dir=run",
-        ],
-        cwd=workdir,
-        env=fw_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    args = [
+        "task._target_=tests.tasks.SlowDigitsTask",
+        *DIGITS[1:],
+        "+task.model.step_sleep=0.05",
+        "trainer.max_steps=2000",
+        "trainer.log_every_n_steps=1",
+        "run.dir=run",
+    ]
+    proc = start(args, workdir)
     try:
-        deadline = time.monotonic() + 120
-        while not (workdir / "run" / "metrics.csv").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_step(workdir / "run", 0, proc)
         workers = sorted(child_pids(proc.pid))
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
