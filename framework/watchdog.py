@@ -36,6 +36,7 @@ class Heartbeat:
     """This rank's beats and busy marks in the launcher's heartbeat directory."""
 
     def __init__(self, directory: Path, rank: int) -> None:
+        (directory / f"pid-rank{rank}").write_text(str(os.getpid()))  # for ExitWatch
         self.beat_file = directory / f"rank{rank}"
         self.busy_file = directory / f"busy-rank{rank}"
         self.stacks = (directory / f"stacks-rank{rank}.txt").open("w")
@@ -148,6 +149,52 @@ class Watchdog(threading.Thread):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+class ExitWatch(threading.Thread):
+    """Records how each worker ended (exit code or signal, and when), read from the kernel the
+    moment it ends, without reaping it.
+
+    The elastic agent reports only the first failed rank it finds when it next looks, which is
+    often a rank that raised because another one was killed; a rank killed by a signal leaves no
+    error file. The workers write their pids (`pid-rank{r}`) into the heartbeat directory.
+    """
+
+    def __init__(self, directory: Path, world_size: int) -> None:
+        super().__init__(name="fw-exit-watch", daemon=True)
+        self.directory, self.world_size = directory, world_size
+        self.ended: dict[int, tuple[float, str]] = {}  # rank: (time, how), failures only
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        watched: set[int] = set()
+        while len(watched) < self.world_size and not self._halt.wait(0.05):
+            for rank in range(self.world_size):
+                path = self.directory / f"pid-rank{rank}"
+                if rank in watched or not path.exists():
+                    continue
+                with contextlib.suppress(OSError, ValueError):
+                    pid = int(path.read_text())
+                    threading.Thread(target=self._wait, args=(rank, pid), daemon=True).start()
+                    watched.add(rank)
+
+    def _wait(self, rank: int, pid: int) -> None:
+        try:  # WNOWAIT leaves the exit status to the agent, which reaps its workers
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except (ChildProcessError, OSError):
+            return  # already reaped, or not our child
+        if info is None:
+            return
+        if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            how = f"killed by signal {signal.Signals(info.si_status).name}"
+        elif info.si_status != 0:
+            how = f"exit code {info.si_status}"
+        else:
+            return
+        self.ended[rank] = (time.time(), how)
 
 
 def nccl_settings(run_dir: Path) -> dict[str, str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from framework import checkpointing
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, ConfigError
-from framework.watchdog import HEARTBEAT_ENV, Watchdog
+from framework.watchdog import HEARTBEAT_ENV, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
 
 log = logging.getLogger("framework.launcher")
@@ -200,9 +200,11 @@ def start_workers(
     )
     beats = log_dir / "heartbeat"
     beats.mkdir()
+    os.environ[HEARTBEAT_ENV] = str(beats)
+    exits = ExitWatch(beats, world.devices)
+    exits.start()
     watchdog = None
     if cfg.hang_timeout_s > 0:
-        os.environ[HEARTBEAT_ENV] = str(beats)
         pids = functools.partial(child_pids, os.getpid())
         watchdog = Watchdog(beats, world.world_size, cfg.hang_timeout_s, run_dir, pids)
         watchdog.start()
@@ -215,9 +217,10 @@ def start_workers(
             raise WorkersPreempted(preempted_message(run_dir)) from None
         if watchdog is not None and watchdog.fired:
             return watchdog.fired
-        return describe_failures(err, log_dir)
+        return describe_failures(err, log_dir, exits.ended)
     finally:
         os.environ.pop(HEARTBEAT_ENV, None)
+        exits.stop()
         if watchdog is not None:
             watchdog.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -232,11 +235,13 @@ def preempted_message(run_dir: Path) -> str:
     return f"preempted: {where}; run the same command to continue"
 
 
-def describe_failures(err, log_dir: Path) -> str:
-    """'rank N failed (how): ExceptionType: message' for every failed rank, the first one first.
+def describe_failures(err, log_dir: Path, ended: dict[int, tuple[float, str]] | None = None) -> str:
+    """'rank N failed: ExceptionType: message' for every failed rank, the first one first.
 
     The error files every worker writes are read directly: with forked workers the launcher's
-    own report names only one failure, often a rank that died because of another one.
+    own report names only one failure, often a rank that died because of another one. `ended`
+    (from ExitWatch) adds the ranks that died without a Python exception (a signal, a crash)
+    before any rank raised; the ones that ended later were stopped by the launcher.
     """
     found: dict[int, tuple[float, str]] = {}
     for path in log_dir.rglob("error.json"):
@@ -246,6 +251,10 @@ def describe_failures(err, log_dir: Path) -> str:
             found[int(path.parent.name)] = (when, str(data.get("message", "")).strip())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
+    first_raise = min((when for when, _ in found.values()), default=float("inf"))
+    for rank, (when, how) in (ended or {}).items():
+        if rank not in found and when <= first_raise:
+            found[rank] = (when, f"no Python exception recorded ({how})")
     for rank, failure in err.failures.items():
         if rank not in found:
             code = failure.exitcode
