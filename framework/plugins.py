@@ -111,6 +111,11 @@ class LauncherPlugin(Protocol):
     def validate(self, cfg: Any, world: World) -> None:
         """Raise ConfigError for a setting that cannot work. Runs in the `fw` process."""
 
+    def join(self, cfg: Any, world: World, config: dict) -> bool:
+        """Before the run directory is written: for a job over several machines, meet the other
+        nodes (raise ConfigError when their `config` differs from this node's). Returns whether
+        this node writes the run directory. Runs in the `fw` process."""
+
     def build(self, cfg: Any, world: World) -> Callable[[Path, Path | None], None]:
         """A function `launch(config_path, resume_from)` that runs the job's workers (each runs
         `framework.worker`) and returns when they are done. Runs in the `fw` process."""

@@ -140,19 +140,27 @@ def write_config(job: Job) -> Path:
     state.setdefault("run_id", new_run_id())
     state["group"] = state.get("group") or job.group
     checkpointing.write_json_atomic(job.run_dir / "run.json", state)
-    plain = OmegaConf.to_container(job.cfg)
-    pattern = key_pattern(job.cfg.run.secret_keys)
-    hidden = flatten(redact(plain, pattern))
-    secret = {k: v for k, v in flatten(plain).items() if hidden.get(k) != v}
-    os.environ[SECRETS_ENV] = json.dumps(secret)
     path = job.run_dir / "config.yaml"
     tmp = path.with_suffix(".yaml.tmp")
     with tmp.open("w") as fh:
-        fh.write(OmegaConf.to_yaml(OmegaConf.create(redact(plain, pattern))))
+        fh.write(OmegaConf.to_yaml(OmegaConf.create(redacted_config(job))))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
+
+
+def redacted_config(job: Job) -> dict:
+    """The job's config as written to config.yaml: secret values replaced."""
+    return redact(OmegaConf.to_container(job.cfg), key_pattern(job.cfg.run.secret_keys))
+
+
+def pass_secrets(job: Job) -> None:
+    """The secret values config.yaml leaves out reach this machine's workers by environment."""
+    plain = OmegaConf.to_container(job.cfg)
+    hidden = flatten(redact(plain, key_pattern(job.cfg.run.secret_keys)))
+    secret = {k: v for k, v in flatten(plain).items() if hidden.get(k) != v}
+    os.environ[SECRETS_ENV] = json.dumps(secret)
 
 
 def new_run_id() -> str:
@@ -165,20 +173,26 @@ def run_job(job: Job) -> None:
     """Start the job's workers (or train here when it is one process or inside torchrun/SLURM)."""
     from framework import worker
 
-    is_rank0 = global_rank() == 0
     external = job_id() is not None
-    if is_rank0:
+    restarts = job.cfg.launcher.get("max_restarts", 0)
+    launcher = launcher_cfg = None
+    writes = global_rank() == 0
+    if not external and (job.world.world_size > 1 or restarts):  # restarts need a launcher
+        launcher = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind")
+        launcher_cfg = typed_config(launcher, job.cfg.launcher)
+        # several machines: the first node to arrive writes, once every node has the same config
+        writes = launcher.join(launcher_cfg, job.world, redacted_config(job))
+    pass_secrets(job)
+    if writes:
         config_path = write_config(job)
         log.info("Run directory: %s", job.run_dir)
     else:
         config_path = job.run_dir / "config.yaml"
-    restarts = job.cfg.launcher.get("max_restarts", 0)
-    if external or (job.world.world_size == 1 and not restarts):  # restarts need a launcher
+    if launcher is None:
         cfg = job.cfg if external else OmegaConf.load(config_path)
         worker.run(cfg, job.run_dir, job.resume_from)
         return
-    launcher = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind")
-    launch = launcher.build(typed_config(launcher, job.cfg.launcher), job.world)
+    launch = launcher.build(launcher_cfg, job.world)
     launch(config_path, job.resume_from)
 
 

@@ -35,11 +35,11 @@ _current: Heartbeat | None = None
 class Heartbeat:
     """This rank's beats and busy marks in the launcher's heartbeat directory."""
 
-    def __init__(self, directory: Path, rank: int) -> None:
-        (directory / f"pid-rank{rank}").write_text(str(os.getpid()))  # for ExitWatch
-        self.beat_file = directory / f"rank{rank}"
-        self.busy_file = directory / f"busy-rank{rank}"
-        self.stacks = (directory / f"stacks-rank{rank}.txt").open("w")
+    def __init__(self, directory: Path, local_rank: int, rank: int) -> None:
+        (directory / f"pid-rank{local_rank}").write_text(str(os.getpid()))  # for ExitWatch
+        self.beat_file = directory / f"rank{local_rank}"
+        self.busy_file = directory / f"busy-rank{local_rank}"
+        self.stacks = (directory / f"stacks-rank{rank}.txt").open("w")  # named as in the run dir
         if STACK_SIGNAL is not None:
             faulthandler.register(STACK_SIGNAL, file=self.stacks, all_threads=True)
 
@@ -56,7 +56,7 @@ class Heartbeat:
             self.beat()
 
 
-def start_beating(rank: int):
+def start_beating(local_rank: int, rank: int):
     """The Lightning callback that beats for this rank, when the launcher watches (else None)."""
     global _current
     directory = os.environ.get(HEARTBEAT_ENV)
@@ -64,7 +64,7 @@ def start_beating(rank: int):
         return None
     import lightning.pytorch as pl
 
-    _current = heart = Heartbeat(Path(directory), rank)
+    _current = heart = Heartbeat(Path(directory), local_rank, rank)
 
     class Beat(pl.Callback):
         def on_train_batch_end(self, *args) -> None:
@@ -85,7 +85,8 @@ def busy() -> contextlib.AbstractContextManager:
 
 
 class Watchdog(threading.Thread):
-    """Watches the beats of `world_size` ranks; calls `kill()` once when the job hangs."""
+    """Watches the beats of the `world_size` ranks on this machine (by local rank); kills the
+    workers once when the job hangs."""
 
     def __init__(
         self,
@@ -137,10 +138,8 @@ class Watchdog(threading.Thread):
             time.sleep(2.0)  # the dumps are written by each worker's faulthandler
         target = self.run_dir / "stacks" / time.strftime("%Y-%m-%d_%H-%M-%S")
         target.mkdir(parents=True, exist_ok=True)
-        for rank in range(self.world_size):
-            source = self.directory / f"stacks-rank{rank}.txt"
-            if source.exists():
-                shutil.copyfile(source, target / f"rank{rank}.txt")
+        for source in self.directory.glob("stacks-rank*.txt"):  # by global rank
+            shutil.copyfile(source, target / source.name.removeprefix("stacks-"))
         slow = ", ".join(f"rank {r}: {s:.0f} s" for r, s in sorted(stale.items()))
         self.fired = (
             f"the job hung: no training progress within launcher.hang_timeout_s="

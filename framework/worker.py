@@ -77,7 +77,7 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     callbacks = [
         build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]
-    beat = watchdog.start_beating(world.rank)  # when the launcher watches for hangs
+    beat = watchdog.start_beating(world.local_rank, world.rank)  # under launcher=local
     if world.is_cuda:
         (run_dir / "stacks").mkdir(exist_ok=True)
         for name, value in watchdog.nccl_settings(run_dir).items():

@@ -32,7 +32,7 @@ from framework.world import RESTART_ENV, World
 
 log = logging.getLogger("framework.launcher")
 
-__all__ = ["Config", "WorkerFailure", "WorkersPreempted", "build", "validate"]
+__all__ = ["Config", "WorkerFailure", "WorkersPreempted", "build", "join", "validate"]
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -47,7 +47,21 @@ class Config:
     processes_per_core: int = doc(
         2, "On CPU, the most worker processes allowed per core (trainer.devices is checked).", min=1
     )
-    rdzv_endpoint: str = doc("localhost:0", "Rendezvous address (port 0: any free port).")
+    rdzv_endpoint: str = doc(
+        "localhost:0",
+        "Rendezvous address host:port (port 0: any free port, one machine only). With "
+        "trainer.num_nodes > 1, a fixed address every node reaches; the node whose host it "
+        "names keeps the rendezvous store.",
+    )
+    rdzv_id: str = doc(
+        "fw",
+        "With trainer.num_nodes > 1: the job's name at the rendezvous, the same on every node.",
+    )
+    join_timeout_s: float = doc(
+        600.0,
+        "With trainer.num_nodes > 1: how long a node waits for the others to start.",
+        above=0,
+    )
     max_restarts: int = doc(
         0,
         "When a worker fails or the job hangs, stop every worker and start them again from the "
@@ -81,13 +95,105 @@ class WorkersPreempted(RuntimeError):
 
 def validate(cfg: Config, world: World) -> None:
     if world.num_nodes > 1:
+        host, _, port = cfg.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or int(port) == 0:
+            raise ConfigError(
+                "launcher.rdzv_endpoint",
+                cfg.rdzv_endpoint,
+                f"trainer.num_nodes={world.num_nodes} needs a fixed host:port that every node "
+                "can reach",
+                hint="Start the same command on every machine with e.g. "
+                "launcher.rdzv_endpoint=node0.cluster:29500 and a run.dir they share.",
+            )
+
+
+def join(cfg: Config, world: World, config: dict) -> bool:
+    """Before anything is written: meet the other nodes of a job over several machines at the
+    rendezvous store and check that every node composed the same config (ConfigError naming the
+    first key that differs). Returns whether this node writes the run directory (the first to
+    arrive; a job on one machine always does)."""
+    if world.num_nodes == 1:
+        return True
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, _, port = cfg.rdzv_endpoint.rpartition(":")
+    timeout = timedelta(seconds=cfg.join_timeout_s)
+    store = hosting = None
+    if names_this_machine(host):  # then elastic's rendezvous uses this store (multi-tenant)
+        with contextlib.suppress(RuntimeError, ValueError, TimeoutError):  # taken: a client
+            store = TCPStore(host, int(port), is_master=True, multi_tenant=True, timeout=timeout)
+            hosting = store
+    if store is None:
+        store = TCPStore(host, int(port), is_master=False, multi_tenant=True, timeout=timeout)
+    _stores.append(store)  # alive until fw ends
+    prefix = f"fw-join/{cfg.rdzv_id}/{len(_stores)}"  # a sweep's jobs meet one after another
+    arrival = store.add(f"{prefix}/arrived", 1) - 1
+    if arrival >= world.num_nodes:
         raise ConfigError(
             "trainer.num_nodes",
             world.num_nodes,
-            "launcher=local starts processes on this machine only",
-            hint="For several machines, start `fw train` on each with torchrun or srun; the runner "
-            "then joins that job instead of spawning.",
+            f"node {arrival + 1} joined {cfg.rdzv_endpoint} (launcher.rdzv_id={cfg.rdzv_id})",
+            hint="Give each job its own launcher.rdzv_id or endpoint.",
         )
+    store.set(f"{prefix}/config/{arrival}", json.dumps(config, sort_keys=True, default=str))
+    keys = [f"{prefix}/config/{n}" for n in range(world.num_nodes)]
+    try:
+        store.wait(keys, timeout)
+    except (RuntimeError, TimeoutError) as err:
+        raise WorkerFailure(
+            f"trainer.num_nodes={world.num_nodes}, but not every node joined "
+            f"{cfg.rdzv_endpoint} within launcher.join_timeout_s={cfg.join_timeout_s:g}"
+        ) from err
+    mine = json.loads(store.get(keys[arrival]))  # as the others read it
+    differs = [config_difference(mine, json.loads(store.get(key))) for key in keys]
+    store.set(f"{prefix}/checked/{arrival}", "1")
+    if hosting is not None:  # the store lives in this process: stay until every node read it
+        store.wait([f"{prefix}/checked/{n}" for n in range(world.num_nodes)], timeout)
+    for differ in differs:
+        if differ is not None:
+            key, value, theirs = differ
+            raise ConfigError(
+                key,
+                value,
+                f"the nodes of one job composed different configs (another node has {theirs})",
+                hint="Start every node with the same command; run.dir must name the same "
+                "shared directory on each.",
+            )
+    return arrival == 0
+
+
+_stores: list = []
+
+
+def names_this_machine(host: str) -> bool:
+    """Whether a rendezvous host is this machine (its name or one of its addresses)."""
+    import socket
+
+    names = {"localhost", socket.gethostname(), socket.getfqdn()}
+    if host in names:
+        return True
+
+    def addresses(name: str) -> set[str]:
+        try:
+            return {info[4][0] for info in socket.getaddrinfo(name, None)}
+        except OSError:
+            return set()
+
+    mine = {"127.0.0.1", "::1"}.union(*(addresses(n) for n in names))
+    return bool(addresses(host) & mine)
+
+
+def config_difference(a, b, key: str = "") -> tuple[str, object, object] | None:
+    """The first key whose value differs between two plain configs, with both values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for name in sorted(set(a) | set(b)):
+            found = config_difference(a.get(name), b.get(name), f"{key}.{name}" if key else name)
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (key or "config", a, b)
 
 
 def build(cfg: Config, world: World):
@@ -184,13 +290,18 @@ def start_workers(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
+    attempt = os.environ.get(RESTART_ENV, "0")
+    several = world.num_nodes > 1  # every node must name the same rendezvous
     launch_config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=world.num_nodes,
+        max_nodes=world.num_nodes,
         nproc_per_node=world.devices,
-        run_id=f"fw-{uuid.uuid4().hex[:12]}",
+        run_id=f"{cfg.rdzv_id}-{len(_stores)}-{attempt}"
+        if several
+        else f"fw-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
         rdzv_endpoint=cfg.rdzv_endpoint,
+        rdzv_configs={"join_timeout": int(cfg.join_timeout_s)},
         max_restarts=0,  # restarts are ours: the agent would also restart preempted workers
         monitor_interval=cfg.monitor_interval,
         start_method=method,
@@ -201,12 +312,12 @@ def start_workers(
     beats = log_dir / "heartbeat"
     beats.mkdir()
     os.environ[HEARTBEAT_ENV] = str(beats)
-    exits = ExitWatch(beats, world.devices)
+    exits = ExitWatch(beats, world.devices)  # by local rank, as the error files
     exits.start()
     watchdog = None
     if cfg.hang_timeout_s > 0:
         pids = functools.partial(child_pids, os.getpid())
-        watchdog = Watchdog(beats, world.world_size, cfg.hang_timeout_s, run_dir, pids)
+        watchdog = Watchdog(beats, world.devices, cfg.hang_timeout_s, run_dir, pids)
         watchdog.start()
     entrypoint, args = entry
     try:

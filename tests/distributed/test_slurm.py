@@ -1,17 +1,23 @@
-"""Inside a SLURM allocation: `fw train` started by `srun` in every task joins as the rank that
-task is, names its run directory after the job, and refuses a process layout that does not match
-the allocation. The tasks are started as `srun -N1 -n2 fw train ...` starts them: two `fw`
-processes with the variables srun sets (no real SLURM needed)."""
+"""Jobs over several processes that `fw` did not start alone.
+
+Inside a SLURM allocation: `fw train` started by `srun` in every task joins as the rank that task
+is, names its run directory after the job, and refuses a process layout that does not match the
+allocation. The tasks are started as `srun -N1 -n2 fw train ...` starts them: two `fw` processes
+with the variables srun sets (no real SLURM needed).
+
+Several machines without SLURM: the same `fw train ... trainer.num_nodes=2` started on each
+machine forms one job; two `fw` processes on this machine stand for two nodes."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from framework.external import tasks_per_node
-from tests.conftest import FW, QUIET, fw, fw_env, metric_rows
+from tests.conftest import FW, QUIET, fw, fw_env, metric_rows, refused
 
 pytestmark = pytest.mark.slow
 ARGS = ["trainer.max_steps=6", "trainer.log_every_n_steps=1", "trainer.deterministic=true", *QUIET]
@@ -57,15 +63,72 @@ def srun(args: list[str], cwd, ntasks: int = 2, per_node: str | None = None, ext
     return [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
 
 
-def test_srun_n2_joins_as_its_ranks_and_matches_the_local_launcher(workdir):
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> Path:
+    """The same training by the local launcher, two processes on this machine."""
+    cwd = tmp_path_factory.mktemp("local")
+    local = fw("train", "trainer.devices=2", *ARGS, "run.dir=local", cwd=cwd)
+    assert local.returncode == 0, local.stderr[-3000:]
+    return cwd / "local"
+
+
+def test_srun_n2_joins_as_its_ranks_and_matches_the_local_launcher(workdir, local_run):
     results = srun(["trainer.devices=2", *ARGS], workdir)
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
     run = workdir / "runs" / "slurm-4242"
     assert [s for s, _ in metric_rows(run)] == list(range(6))
     assert sum(1 for _ in (workdir / "runs").iterdir()) == 1, "one run directory for the job"
-    local = fw("train", "trainer.devices=2", *ARGS, "run.dir=local", cwd=workdir)
-    assert local.returncode == 0, local.stderr[-3000:]
-    assert metric_rows(run) == metric_rows(workdir / "local"), "bitwise the local launcher's"
+    assert metric_rows(run) == metric_rows(local_run), "bitwise the local launcher's"
+
+
+def nodes(per_node: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
+    """`fw train` once per node (each with its own arguments), rendezvous on this machine."""
+    endpoint = f"launcher.rdzv_endpoint=localhost:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                str(FW),
+                "train",
+                "trainer.num_nodes=2",
+                endpoint,
+                "run.dir=nodes",
+                "launcher.join_timeout_s=60",
+                *args,
+            ],
+            cwd=cwd,
+            env=fw_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for args in per_node
+    ]
+    return [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
+
+
+def test_two_nodes_form_one_job_that_matches_the_local_launcher(workdir, local_run):
+    results = nodes([["trainer.devices=1", *ARGS]] * 2, workdir)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert sum("Run directory:" in err for _, err in results) == 1, "one node writes the run dir"
+    run = workdir / "nodes"
+    assert [s for s, _ in metric_rows(run)] == list(range(6))
+    assert metric_rows(run) == metric_rows(local_run), "bitwise two processes on one machine"
+
+
+def test_a_node_started_with_another_config_is_refused_before_anything_is_written(workdir):
+    base = ["trainer.devices=1", *ARGS]
+    results = nodes([base, [*base, "task.optimizer.lr=0.1"]], workdir)
+    for code, err in results:
+        assert code == 2, err[-3000:]
+        assert "the nodes of one job composed different configs" in err, err[-3000:]
+        assert "task.optimizer.lr=" in err and "Traceback" not in err
+    assert not (workdir / "nodes").exists(), "nothing written"
+
+
+def test_several_nodes_need_a_fixed_rendezvous_address(workdir, monkeypatch, capsys):
+    err = refused(["trainer.num_nodes=2", "trainer.devices=1"], workdir, monkeypatch, capsys)
+    assert "launcher.rdzv_endpoint=localhost:0" in err and "fixed host:port" in err
 
 
 @pytest.mark.parametrize(
