@@ -170,14 +170,14 @@ def new_run_id() -> str:
 
 
 def run_job(job: Job) -> None:
-    """Start the job's workers (or train here when it is one process or inside torchrun/SLURM)."""
+    """Hand the job to its launcher (which may train here, for one process), or train here as
+    this process's rank inside torchrun/srun."""
     from framework import worker
 
     external = job_id() is not None
-    restarts = job.cfg.launcher.get("max_restarts", 0)
     launcher = launcher_cfg = None
     writes = global_rank() == 0
-    if not external and (job.world.world_size > 1 or restarts):  # restarts need a launcher
+    if not external:
         launcher = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind")
         launcher_cfg = typed_config(launcher, job.cfg.launcher)
         # several machines: the first node to arrive writes, once every node has the same config
@@ -188,9 +188,8 @@ def run_job(job: Job) -> None:
         log.info("Run directory: %s", job.run_dir)
     else:
         config_path = job.run_dir / "config.yaml"
-    if launcher is None:
-        cfg = job.cfg if external else OmegaConf.load(config_path)
-        worker.run(cfg, job.run_dir, job.resume_from)
+    if launcher is None:  # inside torchrun or srun: this process is its rank already
+        worker.run(job.cfg, job.run_dir, job.resume_from)
         return
     launch = launcher.build(launcher_cfg, job.world)
     launch(config_path, job.resume_from)

@@ -97,7 +97,7 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
     close_process_group()
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
     if checkpointer is not None and checkpointer.preempted_at is not None:
-        raise Preempted(checkpointer.preempted_at)
+        raise Preempted(checkpointer.preempted_at, checkpointer.preempted_by)
     if trainer.is_global_zero:
         log.info("Run finished at step %d. Outputs in %s", trainer.global_step, run_dir)
     return trainer
@@ -246,7 +246,7 @@ def forked_entry(config_path: str, resume: str) -> None:
     """A worker forked from the `fw` process: Lightning and the task are already imported."""
     import signal
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)  # not the launcher's handlers, copied by fork
     signal.signal(signal.SIGINT, signal.default_int_handler)
     die_with_parent()

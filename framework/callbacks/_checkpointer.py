@@ -20,20 +20,21 @@ from framework.errors import EXIT_PREEMPTED
 from framework.portable import NAMES_KEY
 
 log = logging.getLogger("framework.checkpoint")
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # SLURM: --signal, scancel
 STATE_FILE = "state.ckpt"
 
 
 class Preempted(Exception):
-    """Training stopped on SIGTERM/SIGUSR1 after saving a checkpoint; rerun to continue."""
+    """Training stopped on SIGTERM/SIGUSR1/SIGUSR2 after saving a checkpoint; rerun to continue."""
 
     exit_code = EXIT_PREEMPTED
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, signum: int = 0) -> None:
         super().__init__(
             f"preempted: checkpoint saved at step {step}; run the same command to continue"
         )
         self.step = step
+        self.signum = signum  # the signal the ranks agreed on (the highest number any got)
 
 
 class Checkpointer(pl.Callback):
@@ -50,6 +51,7 @@ class Checkpointer(pl.Callback):
         self.last_saved = -1
         self.signal_received: int | None = None
         self.preempted_at: int | None = None
+        self.preempted_by = 0  # the signal
         self._vote = PreemptionVote()
         self.names_recorded = False
         self.data_state: Any = None  # every rank's stateful sampler or dataset position
@@ -132,7 +134,7 @@ class Checkpointer(pl.Callback):
         self.cursor += per_rank * self.ctx.data_parallel[1]
         step = trainer.global_step
         preempt = self.cfg.on_preemption and self._vote.agreed(
-            self.signal_received is not None, trainer.strategy.root_device
+            self.signal_received or 0, trainer.strategy.root_device
         )
         due = self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
         # The last step is saved here, not in on_train_end: by then Lightning has closed the
@@ -143,7 +145,7 @@ class Checkpointer(pl.Callback):
             self.save(trainer)
         if preempt:
             self.finish_pending(trainer)  # stop only with the checkpoint complete
-            self.preempted_at = step
+            self.preempted_at, self.preempted_by = step, preempt
             trainer.should_stop = True
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -273,7 +275,7 @@ class Checkpointer(pl.Callback):
 
 
 class PreemptionVote:
-    """Whether any rank got SIGTERM/SIGUSR1, decided by all ranks at the same step.
+    """Whether any rank got SIGTERM/SIGUSR1/SIGUSR2, decided by all ranks at the same step.
 
     A blocking all-reduce every step would cost a round trip per step (about 30% of a small
     DDP step on CPU). Instead each step starts an asynchronous all-reduce of this rank's flag and
@@ -284,14 +286,15 @@ class PreemptionVote:
     def __init__(self) -> None:
         self.pending: tuple[Any, torch.Tensor] | None = None
 
-    def agreed(self, local: bool, device: torch.device) -> bool:
+    def agreed(self, local: int, device: torch.device) -> int:
+        """The highest signal number any rank got (0: none), as of the previous step."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local
-        decided = False
+        decided = 0
         if self.pending is not None:
             work, flag = self.pending
             work.wait()
-            decided = bool(flag.item())
+            decided = int(flag.item())
         flag = torch.tensor([int(local)], device=device)
         self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         return decided

@@ -3,7 +3,7 @@
 Checkpoints go to `<run dir>/checkpoints/stepNNNNNNNN/` (see framework.checkpointing). Each holds
 everything needed to continue as if nothing happened: model, optimizer, LR schedulers, precision
 scaler, the loops' progress, every process's RNG states, the data position, the run id and the
-config. SIGTERM or SIGUSR1 (what SLURM sends before preempting) makes every rank save at the next
+config. SIGTERM, SIGUSR1 or SIGUSR2 (what SLURM sends before preempting) makes every rank save at the next
 step boundary and exit with code 75, so a requeue script can start the same command again.
 """
 
@@ -35,7 +35,7 @@ class Config:
     )
     on_preemption: bool = doc(
         True,
-        "On SIGTERM/SIGUSR1: save at a step boundary (the next, or the one after) and exit 75.",
+        "On SIGTERM/SIGUSR1/SIGUSR2: save at a step boundary (the next, or the one after) and exit 75.",
     )
 
 

@@ -34,7 +34,7 @@ log = logging.getLogger("framework.launcher")
 
 __all__ = ["Config", "WorkerFailure", "WorkersPreempted", "build", "join", "validate"]
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 @dataclass
@@ -201,6 +201,13 @@ def build(cfg: Config, world: World):
     while `max_restarts` allows)."""
 
     def launch(config_path: Path, resume_from: Path | None = None) -> None:
+        if world.world_size == 1 and not cfg.max_restarts:  # trains in this process
+            from omegaconf import OmegaConf
+
+            from framework import worker
+
+            worker.run(OmegaConf.load(config_path), config_path.parent, resume_from)
+            return
         method = cfg.start_method
         if method == "auto":
             # CUDA cannot be used in a forked child once the parent touched it.
@@ -250,7 +257,7 @@ def record_restart(run_dir: Path, attempt: int, cause: str) -> None:
 
 @contextlib.contextmanager
 def forward_signals(signums):
-    """While workers run, pass SIGTERM/SIGUSR1 on to them (they checkpoint, then exit 75)."""
+    """While workers run, pass SIGTERM/SIGUSR1/SIGUSR2 on (they checkpoint, then exit 75)."""
     previous = {s: signal.getsignal(s) for s in signums}
 
     def forward(signum, frame):

@@ -23,23 +23,42 @@ class RunWandbLogger(WandbLogger):
         super().__init__(**kwargs)
         self._offline_dir = offline_dir
         self._clean = clean or (lambda params: params)
+        self._lost: str | None = None  # why W&B stopped taking records, once it did
+
+    def _unless_lost(self, fn, *args: Any) -> None:
+        """W&B's service process can die under training (a scheduler signals every process of
+        the job, e.g. SLURM's scancel): warn once, drop W&B, go on (metrics.csv keeps logging)."""
+        if self._lost is not None:
+            return
+        try:
+            fn(*args)
+        except (ConnectionError, BrokenPipeError, EOFError) as err:
+            self._lost = f"{type(err).__name__}: {err}"
+            log.warning("W&B stopped logging (%s); training goes on", self._lost)
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
         """The task's hyperparameters, with secrets replaced (W&B's config and debug log)."""
-        super().log_hyperparams(self._clean(params))
+        self._unless_lost(super().log_hyperparams, self._clean(params))
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+        self._unless_lost(super().log_metrics, metrics, step)
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        super().finalize(status)
-        if self._experiment is not None:  # end the run: the next job in this process gets its own
-            self._experiment.finish(exit_code=0 if status == "success" else 1)
+        self._unless_lost(self._finish, status)
         if self._offline_dir:
             log.info(
                 "W&B logged offline to %s; upload it with: wandb sync %s",
                 self._offline_dir,
                 self._offline_dir,
             )
+
+    def _finish(self, status: str) -> None:
+        super().finalize(status)
+        if self._experiment is not None:  # end the run: the next job here gets its own
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
 
 
 def make_logger(cfg, ctx, mode: str) -> RunWandbLogger:

@@ -10,8 +10,12 @@ machine forms one job; two `fw` processes on this machine stand for two nodes.""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +157,112 @@ def test_slurm_task_counts_are_read_per_node():
     assert tasks_per_node("4,2(x2)") == [4, 2, 2]
     with pytest.raises(ValueError):
         tasks_per_node("two")
+
+
+# --- launcher=slurm, against a real one-node SLURM cluster on this machine (tests/slurm_cluster.py)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """munged, slurmctld and slurmd, started for these tests (installed first when missing)."""
+    from tests import slurm_cluster
+
+    why = slurm_cluster.install()
+    if why is not None:
+        pytest.skip(f"no SLURM on this machine: {why}")
+    running = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"))
+    running.start()
+    before = os.environ.get("SLURM_CONF")
+    os.environ.update(running.env)
+    yield running
+    running.stop()
+    if before is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = before
+
+
+SLOW = ["task._target_=tests.tasks.SlowDigitsTask", "trainer.devices=2", *ARGS]
+
+
+def submit(args: list[str], cwd: Path, *flags: str) -> list[str]:
+    """`fw train launcher=slurm ARGS`: the ids of the SLURM jobs it submitted."""
+    done = fw("train", *flags, "launcher=slurm", *args, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return re.findall(r"Submitted SLURM job (\d+) ", done.stderr)
+
+
+def job_state(job: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def wait_until_done(job: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while job_state(job):
+        assert time.monotonic() < deadline, f"SLURM job {job} still {job_state(job)}"
+        time.sleep(0.5)
+
+
+def wait_for_rows(run: Path, rows: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ((run / "metrics.csv").exists() and len(metric_rows(run)) >= rows):
+        assert time.monotonic() < deadline, f"step {rows - 1} not logged in {run}"
+        time.sleep(0.2)
+
+
+def test_a_submitted_two_task_job_matches_the_local_launcher(cluster, workdir, local_run):
+    (job,) = submit(["trainer.devices=2", *ARGS, "run.dir=job"], workdir)
+    wait_until_done(job)
+    run = workdir / "job"
+    logs = sorted(p.name for p in (run / "slurm").glob(f"{job}_*_log.err"))
+    assert logs == [f"{job}_0_log.err", f"{job}_1_log.err"], "one log per rank in the run dir"
+    assert metric_rows(run) == metric_rows(local_run), (run / "slurm" / logs[0]).read_text()[-3000:]
+
+
+def test_the_preemption_signal_requeues_the_job_into_the_same_run(cluster, workdir, local_run):
+    run = workdir / "job"
+    args = [*SLOW, "+task.model.step_sleep=1.0", "logger.wandb.mode=offline", "run.dir=job"]
+    (job,) = submit(args, workdir)
+    wait_for_rows(run, 2)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what --signal=USR2@120 sends
+    wait_until_done(job)
+    log = "".join(p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.err"))
+    assert f"requeueing SLURM job {job} (1)" in log, log[-3000:]
+    assert "(restart 1)" in log, "the requeued job resumed from the checkpoint"
+    assert metric_rows(run) == metric_rows(local_run), "each step once, bitwise uninterrupted"
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    wandb_runs = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and all(r.name.endswith(run_id) for r in wandb_runs)
+
+
+def test_a_job_cancelled_by_scancel_resumes_when_submitted_again(cluster, workdir, local_run):
+    run = workdir / "job"
+    args = [*SLOW, "+task.model.step_sleep=1.0", "run.dir=job"]
+    (job,) = submit(args, workdir)
+    wait_for_rows(run, 2)
+    subprocess.run(["scancel", job], check=True)
+    wait_until_done(job)
+    assert list((run / "checkpoints").glob("step*")), "SIGTERM saved a checkpoint"
+    assert len(metric_rows(run)) < 6, "stopped before the end (not requeued)"
+    (again,) = submit(args, workdir)
+    wait_until_done(again)
+    log = (run / "slurm" / f"{again}_0_log.err").read_text()
+    assert "Resuming from" in log, log[-3000:]
+    assert metric_rows(run) == metric_rows(local_run), "each step once, bitwise uninterrupted"
+
+
+def test_a_two_combination_sweep_submits_two_jobs_with_their_own_run_dirs(cluster, workdir):
+    jobs = submit(
+        ["trainer.devices=1", "trainer.max_steps=2,3", *ARGS[1:], "run.dir=sweep"], workdir, "-m"
+    )
+    assert len(jobs) == 2, jobs
+    for job in jobs:
+        wait_until_done(job)
+    assert [len(metric_rows(workdir / "sweep" / n)) for n in "01"] == [2, 3]
+
+
+def test_launcher_slurm_without_sbatch_is_refused(workdir, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch there
+    err = refused(["launcher=slurm"], workdir, monkeypatch, capsys)
+    assert "sbatch is not on PATH" in err
