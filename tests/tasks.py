@@ -375,6 +375,17 @@ class HangingDigitsTask(DigitsTask):
         return super().training_step(batch, batch_idx)
 
 
+class SlowSaveDigitsTask(DigitsTask):
+    """Every checkpoint save takes `save_sleep` seconds more (inside the save, on every rank)."""
+
+    def __init__(self, save_sleep: float = 5.0, hidden: int = 32) -> None:
+        super().__init__(hidden=hidden)
+        self.save_sleep = save_sleep
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        time.sleep(self.save_sleep)
+
+
 class StragglerDigitsTask(DigitsTask):
     """Rank `slow_rank` computes (busy-waits) `step_sleep` seconds more in every training step."""
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from framework.launchers.local import child_pids
-from tests.conftest import QUIET, fw, read_metrics
+from tests.conftest import QUIET, REPO, fw, fw_env, read_metrics
 from tests.distributed.test_resume import start, wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -55,6 +57,27 @@ def test_a_hung_rank_ends_the_job_with_every_ranks_stack(workdir):
     assert "distributed_c10d.py" in stacks[0].read_text(), "the other rank waits in a collective"
     pids = [int((workdir / f"pid-rank{r}").read_text()) for r in (0, 1)]
     assert not any(alive(pid) for pid in pids), "no worker is left behind"
+
+
+def test_a_save_longer_than_the_hang_timeout_is_not_a_hang(workdir):
+    # why a hang timeout below the measured save time is not refused: saves stop the clock
+    result = fw(
+        "train",
+        "task._target_=tests.tasks.SlowSaveDigitsTask",
+        "+task.model.save_sleep=4",
+        *DIGITS,
+        "trainer.max_steps=6",
+        "callbacks.checkpoint.every_n_steps=3",
+        "launcher.hang_timeout_s=1.5",
+        "run.dir=run",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the job hung" not in result.stderr
+    assert sorted(p.name for p in (workdir / "run" / "checkpoints").glob("step*")) == [
+        "step00000003",
+        "step00000006",
+    ]
 
 
 def test_a_worker_killed_without_restarts_ends_the_job_naming_it(workdir):
@@ -105,3 +128,36 @@ def test_a_slow_rank_is_named_as_the_straggler(workdir):
     assert int(rows[0]["step"]) == 3, "first compared after every_n_steps batches"
     assert {float(r["perf/slowest_rank"]) for r in rows} == {1.0}
     assert min(float(r["perf/straggler_ratio"]) for r in rows) > 1.5
+
+
+def test_kill_campaign_smoke_three_trials_resume_exactly():
+    """benchmarks.kill_campaign, 3 trials under ddp: a kill mid-save, a kill during the restart
+    and a kill of the whole job; each run ends with the uninterrupted run's losses bitwise and
+    no corrupt checkpoint (the full campaign: docs/benchmarks.md)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.kill_campaign",
+            "--trials",
+            "3",
+            "--strategies",
+            "ddp",
+            "--modes",
+            "mid-save,restart,job",
+            "--no-save",
+        ],
+        cwd=REPO,
+        env=fw_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout
+    assert "3 trials, 0 failed" in table, table
+    for mode in ("mid-save", "restart", "job"):
+        line = next(
+            row for row in table.splitlines() if row.startswith("ddp") and f" {mode} " in row
+        )
+        assert line.split()[2:4] == ["1", "1"], f"the {mode} trial killed: {line}"

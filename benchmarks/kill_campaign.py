@@ -1,0 +1,267 @@
+"""Kill campaign: `kill -9` at random moments, then check the run continues exactly.
+
+Each trial starts a 2-process job with `launcher.max_restarts=3` and kills at a moment chosen by
+its mode (seeded, so a campaign can be replayed):
+
+- `worker`: one worker, at a random step; the launcher restarts the workers.
+- `mid-save`: one worker, while a checkpoint is being written (its `.tmp` directory exists; under
+  fsdp with `async_save` that is the background write).
+- `restart`: one worker, then another one as soon as the restarted workers exist (a kill during
+  the restart).
+- `job`: every process of the job (fw included), at a random step; then the same command again.
+
+A trial passes when the job ends with exit code 0, its per-step losses are bitwise those of an
+uninterrupted run of the same strategy (each step logged once), and every checkpoint left in the
+run directory verifies (sizes and digests). The table gives, per strategy and mode, the trials,
+the failures, and the median time from the kill to the next logged step.
+
+Run from the repository root: `python -m benchmarks.kill_campaign [--trials 50]`. Not part of
+`make bench` (about 40 s a trial on 2 cores); a 3-trial smoke run is part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import FW, ROOT, load_average, save_results
+
+STEPS = 24
+COMMON = [
+    "trainer.devices=2",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.deterministic=true",
+    "trainer.val_check_interval=12",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "task.model.hidden=64",
+    "task.model.dropout=0.1",
+    "task.data.batch_size=32",
+    "callbacks.checkpoint.every_n_steps=4",
+    "logger=[csv]",
+    "launcher.max_restarts=3",
+]
+SLOW = ["task._target_=tests.tasks.SlowDigitsTask", "+task.model.step_sleep=0.1"]
+STRATEGIES = {
+    "ddp": SLOW,
+    "zero2": [*SLOW, "strategy=zero2"],
+    "fsdp": [*SLOW, "strategy=fsdp", "callbacks.checkpoint.async_save=true"],
+    "pipeline": [
+        "task._target_=tests.tasks.SlowLossDigits",
+        "+task.model.loss_sleep=0.05",
+        "strategy=pipeline",
+        "strategy.microbatches=2",
+    ],
+}
+MODES = ("worker", "mid-save", "restart", "job")
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+
+
+def start(args: list[str], run: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [FW, "train", *args, f"run.dir={run}"],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def rows(run: Path) -> list[tuple[int, str]]:
+    path = run / "metrics.csv"
+    if not path.exists():
+        return []
+    with path.open() as fh:
+        return [
+            (int(r["step"]), r["train/loss"]) for r in csv.DictReader(fh) if r.get("train/loss")
+        ]
+
+
+def workers(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def wait(condition, proc: subprocess.Popen, timeout: float = 120.0, period: float = 0.005) -> bool:
+    """Poll until `condition()`; False when the job ended or the time ran out first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(period)
+    return False
+
+
+def kill_one(proc: subprocess.Popen, rng: random.Random) -> bool:
+    pids = workers(proc.pid)
+    if len(pids) < 2:
+        return False
+    try:
+        os.kill(rng.choice(pids), signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> dict:
+    """One kill (or two) and the check; what happened."""
+    rng = random.Random(seed)
+    args = [*STRATEGIES[strategy], *COMMON]
+    run = root / f"{strategy}-{mode}-{seed}"
+    step = rng.randint(2, STEPS - 4)
+    proc = start(args, run)
+    killed_at = None
+    if mode == "mid-save":
+        ckpts = run / "checkpoints"
+        hit = wait(lambda: ckpts.is_dir() and any(ckpts.glob("*.tmp")), proc)
+        killed_at = time.monotonic() if hit and kill_one(proc, rng) else None
+    else:
+        hit = wait(lambda: any(s >= step for s, _ in rows(run)), proc)
+        if hit and mode == "job":
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed_at = time.monotonic()
+            proc = start(args, run)
+        elif hit:
+            before = set(workers(proc.pid))
+            killed_at = time.monotonic() if kill_one(proc, rng) else None
+            if killed_at is not None and mode == "restart":
+
+                def fresh() -> bool:  # the restarted workers exist
+                    now = set(workers(proc.pid))
+                    return len(now) == 2 and not now & before
+
+                if wait(fresh, proc, period=0.001):
+                    time.sleep(rng.uniform(0.0, 1.0))  # somewhere in their start-up
+                    kill_one(proc, rng)
+    mtime = (run / "metrics.csv").stat().st_mtime if (run / "metrics.csv").exists() else 0.0
+    resumed_s = None
+    if killed_at is not None:
+        moved = wait(lambda: (run / "metrics.csv").stat().st_mtime > mtime, proc, period=0.05)
+        resumed_s = time.monotonic() - killed_at if moved else None
+    err = proc.communicate(timeout=600)[1]
+    got = rows(run)
+    from framework import checkpointing
+
+    corrupt = [
+        f"{p.name}: {problem}"
+        for _, p in checkpointing.listing(run / "checkpoints")
+        if (problem := checkpointing.verify(p)) is not None
+    ]
+    result = {
+        "strategy": strategy,
+        "mode": mode,
+        "seed": seed,
+        "killed": killed_at is not None,
+        "exit_code": proc.returncode,
+        "losses_equal": got == reference,
+        "corrupt": corrupt,
+        "resumed_s": resumed_s,
+    }
+    if proc.returncode != 0 or got != reference or corrupt:
+        result["stderr_tail"] = err[-2000:]
+    else:
+        shutil.rmtree(run, ignore_errors=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=56)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-save",
+        action="store_true",
+        help="only print (no benchmarks/results/kill_campaign.json)",
+    )
+    opts = parser.parse_args(argv)
+    strategies = opts.strategies.split(",")
+    modes = opts.modes.split(",")
+    load = load_average()
+    root = Path(tempfile.mkdtemp(prefix="fw-kill-"))
+    references = {}
+    for strategy in strategies:
+        run = root / f"{strategy}-reference"
+        proc = start([*STRATEGIES[strategy], *COMMON], run)
+        err = proc.communicate(timeout=600)[1]
+        if proc.returncode != 0:
+            print(f"{strategy}: the uninterrupted run failed:\n{err[-3000:]}", file=sys.stderr)
+            return 1
+        references[strategy] = rows(run)
+    results = []
+    for number in range(opts.trials):
+        strategy = strategies[number % len(strategies)]
+        mode = modes[(number // len(strategies)) % len(modes)]
+        results.append(trial(strategy, mode, opts.seed + number, root, references[strategy]))
+        r = results[-1]
+        ok = r["exit_code"] == 0 and r["losses_equal"] and not r["corrupt"]
+        resumed = f"{r['resumed_s']:.1f} s" if r["resumed_s"] is not None else "-"
+        print(
+            f"trial {number + 1}/{opts.trials}: {strategy} {mode}: {'ok' if ok else 'FAILED'}"
+            f" (resumed after {resumed})",
+            flush=True,
+        )
+    failed = report(results)
+    if not opts.no_save:
+        save_results("kill_campaign", {"steps": STEPS, "trials": results}, load)
+    if not failed:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        print(f"failed runs kept in {root}")
+    return 1 if failed else 0
+
+
+def report(results: list[dict]) -> int:
+    """Print the table; the number of failed trials."""
+    print(
+        f"\n{'strategy':<10}{'mode':<10}{'trials':>7}{'killed':>7}{'exit!=0':>8}"
+        f"{'loss !=':>8}{'corrupt':>8}{'resumed (median s)':>20}"
+    )
+    failed = 0
+    for key in sorted({(r["strategy"], r["mode"]) for r in results}):
+        group = [r for r in results if (r["strategy"], r["mode"]) == key]
+        bad_exit = sum(r["exit_code"] != 0 for r in group)
+        mismatch = sum(not r["losses_equal"] for r in group)
+        corrupt = sum(bool(r["corrupt"]) for r in group)
+        failed += sum(
+            r["exit_code"] != 0 or not r["losses_equal"] or bool(r["corrupt"]) for r in group
+        )
+        times = [r["resumed_s"] for r in group if r["resumed_s"] is not None]
+        median = f"{statistics.median(times):.1f}" if times else "-"
+        killed = sum(r["killed"] for r in group)
+        print(
+            f"{key[0]:<10}{key[1]:<10}{len(group):>7}{killed:>7}{bad_exit:>8}{mismatch:>8}"
+            f"{corrupt:>8}{median:>20}"
+        )
+    print(f"{len(results)} trials, {failed} failed")
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
