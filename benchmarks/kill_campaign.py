@@ -9,6 +9,9 @@ its mode (seeded, so a campaign can be replayed):
 - `restart`: one worker, then another one as soon as the restarted workers exist (a kill during
   the restart).
 - `job`: every process of the job (fw included), at a random step; then the same command again.
+- `end`: one worker of a job without restarts (`launcher.max_restarts=0`), at a random step: the
+  job must end naming the killed rank (the time to that end is reported); then the same command
+  again.
 
 A trial passes when the job ends with exit code 0, its per-step losses are bitwise those of an
 uninterrupted run of the same strategy (each step logged once), and every checkpoint left in the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import random
 import shutil
@@ -35,6 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import FW, ROOT, load_average, save_results
+from framework import checkpointing
 
 STEPS = 24
 COMMON = [
@@ -64,7 +69,7 @@ STRATEGIES = {
         "strategy.microbatches=2",
     ],
 }
-MODES = ("worker", "mid-save", "restart", "job")
+MODES = ("worker", "mid-save", "restart", "job", "end")
 
 
 def env() -> dict[str, str]:
@@ -116,6 +121,13 @@ def wait(condition, proc: subprocess.Popen, timeout: float = 120.0, period: floa
     return False
 
 
+def restarts(run: Path) -> list:
+    try:
+        return json.loads((run / "run.json").read_text()).get("restarts", [])
+    except (OSError, ValueError):
+        return []
+
+
 def kill_one(proc: subprocess.Popen, rng: random.Random) -> bool:
     pids = workers(proc.pid)
     if len(pids) < 2:
@@ -131,17 +143,29 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
     """One kill (or two) and the check; what happened."""
     rng = random.Random(seed)
     args = [*STRATEGIES[strategy], *COMMON]
+    if mode == "end":
+        args = [a.replace("max_restarts=3", "max_restarts=0") for a in args]
     run = root / f"{strategy}-{mode}-{seed}"
+    ended_s, first_err = None, ""
     step = rng.randint(2, STEPS - 4)
     proc = start(args, run)
-    killed_at = None
+    killed_at, kills = None, 1
     if mode == "mid-save":
         ckpts = run / "checkpoints"
         hit = wait(lambda: ckpts.is_dir() and any(ckpts.glob("*.tmp")), proc)
         killed_at = time.monotonic() if hit and kill_one(proc, rng) else None
     else:
         hit = wait(lambda: any(s >= step for s, _ in rows(run)), proc)
-        if hit and mode == "job":
+        if hit and mode == "end":
+            killed_at = time.monotonic() if kill_one(proc, rng) else None
+            first_err = proc.communicate(timeout=600)[1]
+            ended_s = time.monotonic() - killed_at if killed_at is not None else None
+            named = "no Python exception recorded (killed by signal SIGKILL)" in first_err
+            if proc.returncode != 1 or not named:
+                killed_at = None  # reported below as a failure of this trial
+                first_err = f"exit code {proc.returncode}, SIGKILL not named:\n{first_err}"
+            proc = start(args, run)
+        elif hit and mode == "job":
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             killed_at = time.monotonic()
@@ -157,16 +181,24 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
 
                 if wait(fresh, proc, period=0.001):
                     time.sleep(rng.uniform(0.0, 1.0))  # somewhere in their start-up
-                    kill_one(proc, rng)
-    mtime = (run / "metrics.csv").stat().st_mtime if (run / "metrics.csv").exists() else 0.0
+                    kills += kill_one(proc, rng)
     resumed_s = None
-    if killed_at is not None:
-        moved = wait(lambda: (run / "metrics.csv").stat().st_mtime > mtime, proc, period=0.05)
-        resumed_s = time.monotonic() - killed_at if moved else None
+    if killed_at is not None:  # the next step logged by the new workers
+        if mode not in ("job", "end"):  # the launcher records each restart as it starts them
+            wait(lambda: len(restarts(run)) >= kills, proc, period=0.02)
+        since = time.time()
+        metrics = run / "metrics.csv"
+        # the new rank 0 first cuts metrics.csv back to the steps before the checkpoint it
+        # resumes from, then logs that step once trained
+        newest = checkpointing.listing(run / "checkpoints")
+        resume_step = newest[0][0] if newest else 0
+        cut = wait(lambda: metrics.exists() and metrics.stat().st_mtime > since, proc, period=0.02)
+        trained = cut and wait(
+            lambda: any(s >= resume_step for s, _ in rows(run)), proc, period=0.02
+        )
+        resumed_s = time.monotonic() - killed_at if trained else None
     err = proc.communicate(timeout=600)[1]
     got = rows(run)
-    from framework import checkpointing
-
     corrupt = [
         f"{p.name}: {problem}"
         for _, p in checkpointing.listing(run / "checkpoints")
@@ -181,9 +213,12 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
         "losses_equal": got == reference,
         "corrupt": corrupt,
         "resumed_s": resumed_s,
+        "ended_s": ended_s,
     }
-    if proc.returncode != 0 or got != reference or corrupt:
-        result["stderr_tail"] = err[-2000:]
+    if mode == "end" and killed_at is None and ended_s is not None:
+        result["exit_code"] = -1  # the job did not end as it should have
+    if result["exit_code"] != 0 or got != reference or corrupt:
+        result["stderr_tail"] = (first_err + err)[-3000:]
     else:
         shutil.rmtree(run, ignore_errors=True)
     return result
@@ -195,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="kill_campaign", help="benchmarks/results/NAME.json")
     parser.add_argument(
         "--no-save",
         action="store_true",
@@ -222,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[-1]
         ok = r["exit_code"] == 0 and r["losses_equal"] and not r["corrupt"]
         resumed = f"{r['resumed_s']:.1f} s" if r["resumed_s"] is not None else "-"
+        if r["ended_s"] is not None:
+            resumed += f"; ended {r['ended_s']:.1f} s after the kill"
         print(
             f"trial {number + 1}/{opts.trials}: {strategy} {mode}: {'ok' if ok else 'FAILED'}"
             f" (resumed after {resumed})",
@@ -229,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     failed = report(results)
     if not opts.no_save:
-        save_results("kill_campaign", {"steps": STEPS, "trials": results}, load)
+        save_results(opts.name, {"steps": STEPS, "trials": results}, load)
     if not failed:
         shutil.rmtree(root, ignore_errors=True)
     else:
@@ -253,7 +291,10 @@ def report(results: list[dict]) -> int:
             r["exit_code"] != 0 or not r["losses_equal"] or bool(r["corrupt"]) for r in group
         )
         times = [r["resumed_s"] for r in group if r["resumed_s"] is not None]
+        ends = [r["ended_s"] for r in group if r.get("ended_s") is not None]
         median = f"{statistics.median(times):.1f}" if times else "-"
+        if ends:
+            median += f" (ended {statistics.median(ends):.1f})"
         killed = sum(r["killed"] for r in group)
         print(
             f"{key[0]:<10}{key[1]:<10}{len(group):>7}{killed:>7}{bad_exit:>8}{mismatch:>8}"
