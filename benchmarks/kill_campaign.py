@@ -40,6 +40,7 @@ from pathlib import Path
 
 from benchmarks.common import FW, ROOT, load_average, save_results
 from framework import checkpointing
+from framework.launchers.local import child_pids
 
 STEPS = 24
 COMMON = [
@@ -97,18 +98,6 @@ def rows(run: Path) -> list[tuple[int, str]]:
         ]
 
 
-def workers(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def wait(condition, proc: subprocess.Popen, timeout: float = 120.0, period: float = 0.005) -> bool:
     """Poll until `condition()`; False when the job ended or the time ran out first."""
     deadline = time.monotonic() + timeout
@@ -129,7 +118,7 @@ def restarts(run: Path) -> list:
 
 
 def kill_one(proc: subprocess.Popen, rng: random.Random) -> bool:
-    pids = workers(proc.pid)
+    pids = child_pids(proc.pid)
     if len(pids) < 2:
         return False
     try:
@@ -171,12 +160,12 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
             killed_at = time.monotonic()
             proc = start(args, run)
         elif hit:
-            before = set(workers(proc.pid))
+            before = set(child_pids(proc.pid))
             killed_at = time.monotonic() if kill_one(proc, rng) else None
             if killed_at is not None and mode == "restart":
 
                 def fresh() -> bool:  # the restarted workers exist
-                    now = set(workers(proc.pid))
+                    now = set(child_pids(proc.pid))
                     return len(now) == 2 and not now & before
 
                 if wait(fresh, proc, period=0.001):

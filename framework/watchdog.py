@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 HEARTBEAT_ENV = "FW_HEARTBEAT_DIR"
+WATCHED = "watched"  # in the heartbeat directory while the launcher's watchdog runs
 # Not SIGTERM/SIGUSR1 (checkpoint, then stop) nor SIGUSR2 (SLURM's usual preemption warning).
 STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
 
@@ -36,7 +37,6 @@ class Heartbeat:
     """This rank's beats and busy marks in the launcher's heartbeat directory."""
 
     def __init__(self, directory: Path, local_rank: int, rank: int) -> None:
-        (directory / f"pid-rank{local_rank}").write_text(str(os.getpid()))  # for ExitWatch
         self.beat_file = directory / f"rank{local_rank}"
         self.busy_file = directory / f"busy-rank{local_rank}"
         self.stacks = (directory / f"stacks-rank{rank}.txt").open("w")  # named as in the run dir
@@ -61,6 +61,9 @@ def start_beating(local_rank: int, rank: int):
     global _current
     directory = os.environ.get(HEARTBEAT_ENV)
     if not directory:
+        return None
+    (Path(directory) / f"pid-rank{local_rank}").write_text(str(os.getpid()))  # for ExitWatch
+    if not (Path(directory) / WATCHED).exists():  # hang_timeout_s=0: no per-step beat
         return None
     import lightning.pytorch as pl
 

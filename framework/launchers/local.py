@@ -27,7 +27,7 @@ from pathlib import Path
 from framework import checkpointing
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, ConfigError
-from framework.watchdog import HEARTBEAT_ENV, ExitWatch, Watchdog
+from framework.watchdog import HEARTBEAT_ENV, WATCHED, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
 
 log = logging.getLogger("framework.launcher")
@@ -323,6 +323,7 @@ def start_workers(
     exits.start()
     watchdog = None
     if cfg.hang_timeout_s > 0:
+        (beats / WATCHED).touch()  # the workers beat only then
         pids = functools.partial(child_pids, os.getpid())
         watchdog = Watchdog(beats, world.devices, cfg.hang_timeout_s, run_dir, pids)
         watchdog.start()
