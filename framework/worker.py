@@ -32,6 +32,7 @@ TRAINER_KEYS_SKIPPED = (
     "accelerator",
     "activation_checkpointing",
     "compile",
+    "peak_tflops",
 )
 
 

@@ -115,6 +115,12 @@ class TrainerConfig:
         ("none", "full", "selective"),
     )
     compile: bool = doc(False, "torch.compile every block of the model (not the task module).")
+    peak_tflops: float | None = doc(
+        None,
+        "Peak TFLOP/s of one device for perf/mfu (None: the known GPU's dense bf16 peak; "
+        "none on the CPU).",
+        above=0,
+    )
 
 
 @dataclass
