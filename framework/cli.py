@@ -16,7 +16,12 @@ from framework.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigErr
 USAGE = """\
 usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per swept value)
        fw config [--config-dir DIR] [KEY=VALUE ...]       show the composed config, documented
+       fw check [--gpu-mem SIZE|GPU] [--ranks R,..] [KEY=VALUE ...]
+                                                  memory per rank and first-step failures of
+                                                  the job, for any process count, in this process
+       fw plan --gpus N --gpu-mem SIZE|GPU [KEY=VALUE ...]   the layouts that fit, best first
        fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]   write one plain state dict
+       fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]     draw loss, speed, memory (runs overlaid)
        fw --help | fw train --help
 
 Examples:
@@ -81,6 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "export":
             return export_command(rest)
+        if command == "plot":
+            from framework.plot import plot_command
+
+            return plot_command(rest)
+        if command == "check":
+            from framework.preflight import check_command
+
+            return check_command(rest, parse_args)
+        if command == "plan":
+            from framework.preflight import plan_command
+
+            return plan_command(rest, parse_args)
         multirun, dirs, overrides, want_help = parse_args(rest)
         if command == "train":
             if want_help:
@@ -97,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
 
             sys.stdout.write(show_config(overrides, dirs))
             return 0
-        raise ConfigError("command", command, "unknown command", ["train", "config", "export"])
+        raise ConfigError(
+            "command",
+            command,
+            "unknown command",
+            ["train", "check", "plan", "config", "export", "plot"],
+        )
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")
         return EXIT_CONFIG

@@ -24,10 +24,12 @@ from framework.world import World, cuda_device_count
 NAMED_FAMILIES = ("logger", "callbacks")  # groups whose entries are `name: {kind or _target_}`
 
 
-def validate(cfg: DictConfig) -> World:
-    """Validate a composed config; returns the process layout it asks for."""
+def validate(cfg: DictConfig, here: bool = True) -> World:
+    """Validate a composed config; returns the process layout it asks for. `here=False` (`fw
+    check`) validates it for the machines it names, not this one: `auto` means CUDA, and
+    neither the devices present nor the launcher's tools here are asked for."""
     check_fields(cfg, "")
-    world = check_world(cfg)
+    world = check_world(cfg) if here else target_world(cfg)
     check_task(cfg.task)
     model = dry_build(cfg.task)
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
@@ -35,7 +37,8 @@ def validate(cfg: DictConfig) -> World:
     plugin.validate(strategy, world, JobView(cfg.task, cfg.trainer, model))
     check_async_save(cfg, plugin.checkpoint_format(strategy, world))
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
-    launcher.validate(typed_config(launcher, cfg.launcher, "launcher"), world)
+    if here:
+        launcher.validate(typed_config(launcher, cfg.launcher, "launcher"), world)
     for family in NAMED_FAMILIES:
         for name, entry in (cfg.get(family) or {}).items():
             check_named_entry(family, name, entry, world)
@@ -118,6 +121,14 @@ def check_world(cfg: DictConfig) -> World:
                 [str(n) for n in range(1, limit + 1)],
             )
     return world
+
+
+def target_world(cfg: DictConfig) -> World:
+    """The layout the trainer config asks for on the machines it is meant for."""
+    trainer = cfg.trainer
+    accelerator = "cpu" if trainer.accelerator == "cpu" else "cuda"
+    devices, nodes = int(trainer.devices), int(trainer.num_nodes)
+    return World(devices * nodes, devices, nodes, accelerator)
 
 
 def check_named_entry(family: str, name: str, entry: Any, world: World) -> None:

@@ -1,0 +1,308 @@
+"""One rank of an N-process job, run in this process without its memory or its peers.
+
+The rank joins torch's `fake` process group (every collective returns at once, nothing is
+sent), the task is built under `FakeTensorMode` (tensors have shapes, dtypes and devices but no
+storage), and the strategy's own `parallelize` runs on it: the same mesh, pipeline cut, tensor
+plans and FSDP2 units the worker would build. One training step then runs on a batch of the
+configured shape (forward, the task's loss, backward, the optimizer's step) under torch's
+`MemTracker`, which records the bytes every live tensor would take. A shape that does not split,
+a plan that does not apply or a stage that cannot run fails here as it would in the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+SCHEDULE_IN_FLIGHT = {"gpipe": "m"}  # the others keep at most (pp - position) microbatches
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds: model states (exact, from its shards) and the step's peak."""
+
+    rank: int
+    role: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # at the step's peak, times the microbatches a pipeline keeps in flight
+    note: str = ""
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor's local shard), each counted once."""
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        if id(t) in seen:  # a tied weight, once
+            continue
+        seen.add(id(t))
+        part = t.to_local() if isinstance(t, DTensor) else t
+        total += part.numel() * part.element_size()
+    return total
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """This process as rank `rank` of `world_size` on the fake backend, for the block's span."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's caches of sharding and redistribution plans: they compare meshes by shape
+    and names, so the next rank's equal mesh would reuse this rank's (destroyed) groups."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    cached = getattr(_redistribute._gen_transform_infos, "cache_clear", None)
+    if cached is not None:
+        cached()
+    getattr(_redistribute, "_planner_cache", {}).clear()
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def build_fake_task(task_cfg: DictConfig, mode, precision: str):
+    from framework.worker import build_task
+
+    with mode:
+        task = build_task(task_cfg)
+        if precision in ("bf16-true", "16-true", "64-true"):
+            task = task.to(
+                {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}[
+                    precision.split("-")[0]
+                ]
+            )
+    return task
+
+
+def autocast(precision: str):
+    if precision in ("bf16-mixed", "16-mixed"):
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        return torch.autocast("cpu", dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def optimizer_of(task) -> Any:
+    from framework.task import TaskModule
+
+    if isinstance(task, TaskModule):
+        return task.make_optimizer()
+    built = task.configure_optimizers()
+    if isinstance(built, dict):
+        built = built["optimizer"]
+    if isinstance(built, (list, tuple)):
+        built = built[0]
+        if isinstance(built, (list, tuple)):
+            built = built[0]
+    return built
+
+
+def step(task, optimizer, run_backward, precision: str) -> tuple[dict[str, int], int, int]:
+    """One step under MemTracker: (bytes at the peak by kind, grads' bytes, optimizer's bytes)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(task, optimizer)
+    with tracker:
+        with autocast(precision):
+            run_backward()
+        grads = local_bytes(p.grad for p in task.parameters())
+        optimizer.step()
+    states = local_bytes(v for s in optimizer.state.values() for v in s.values())
+    peak = {}
+    for by_kind in tracker.get_tracker_snapshot("peak").values():
+        for kind, n in by_kind.items():
+            name = str(kind).rsplit(".", 1)[-1].lower()
+            peak[name] = peak.get(name, 0) + int(n)
+    return peak, grads, states
+
+
+def fake_batch(mode, batch: Any) -> Any:
+    if torch.is_tensor(batch):
+        return mode.from_tensor(batch)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(fake_batch(mode, b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: fake_batch(mode, v) for k, v in batch.items()}
+    return batch
+
+
+def whole_step(task, batch, loss_parallel: bool):
+    """The task's own training_step (its logging has no Trainer here and is skipped)."""
+
+    def run():
+        context = contextlib.nullcontext()
+        if loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
+            context = parallel_loss()
+        with context:
+            out = task.training_step(batch, 0)
+            loss = out["loss"] if isinstance(out, dict) else out
+            full = getattr(loss, "full_tensor", None)
+            loss.backward()
+            return full
+
+    return run
+
+
+def replica_rank(
+    task_cfg, trainer_cfg, batch, rank: int, world_size: int, transforms
+) -> RankMemory:
+    """A rank that holds the whole model (ddp, and DeepSpeed before its own sharding)."""
+    mode = fake_mode()
+    with fake_world(rank, world_size), _quiet_logging():
+        task = build_fake_task(task_cfg, mode, trainer_cfg.precision)
+        transforms.apply(task)
+        optimizer = optimizer_of(task)
+        peak, grads, states = step(
+            task, optimizer, whole_step(task, fake_batch(mode, batch), False), trainer_cfg.precision
+        )
+    params = local_bytes(task.parameters())
+    return RankMemory(rank, "every rank", params, grads, states, activations(peak))
+
+
+def activations(peak: dict[str, int]) -> int:
+    """What the step's peak holds besides parameters, gradients and optimizer state."""
+    return sum(n for kind, n in peak.items() if kind in ("act", "temp", "buffer", "oth"))
+
+
+@contextlib.contextmanager
+def _quiet_logging():
+    """Lightning warns that `self.log` has no Trainer; the check has none by design."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        warnings.filterwarnings("ignore", message=".*not attached to a `Trainer`.*")
+        yield
+
+
+def parallel_rank(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms) -> RankMemory:
+    """A rank of the parallel strategy: the worker's own mesh, cut, plans and FSDP units."""
+    from framework.parallel.fsdp import FSDPSettings
+    from framework.parallel.parallelize import TensorParallelSettings, parallelize
+
+    mode = fake_mode()
+    precision = trainer_cfg.precision
+    coords = dims.coordinates(rank)
+    with fake_world(rank, dims.world_size), _quiet_logging():
+        task = build_fake_task(task_cfg, mode, precision)
+        mesh = dims.build_mesh("cpu")
+        batch = fake_batch(mode, batch)
+        cut, inputs = (None, {}) if dims.pp == 1 else pipeline_cut(task, cfg, dims, coords, batch)
+        tensor = TensorParallelSettings(
+            plan=tensor_plan(task, cfg, dims),
+            sequence_parallel=cfg.sequence_parallel,
+            loss_parallel=cfg.loss_parallel and cut is None,
+        )
+        fsdp = FSDPSettings(
+            reshard_after_forward=cfg.reshard_after_forward,
+            param_dtype=cfg.param_dtype,
+            reduce_dtype=cfg.reduce_dtype,
+            cpu_offload=False,  # offloaded states are counted on the device: an upper bound
+            shard_modules=tuple(cfg.shard_modules),
+        )
+        stages = parallelize(task, mesh, dims, tensor, fsdp, transforms, cut)
+        optimizer = optimizer_of(task)
+        where = " ".join(f"{k}{v}" for k, v in coords.items() if getattr(dims, k) > 1)
+        if cut is None:
+            run = whole_step(task, batch, tensor.loss_parallel and dims.tp > 1)
+            role, flight = where, 1
+        else:
+            run = stage_steps(task, stages, inputs, cut)
+            role = f"stage {'+'.join(str(s) for s in cut.mine)} ({where})"
+            flight = in_flight(cfg, dims, coords["pp"])
+        peak, grads, states = step(task, optimizer, run, precision)
+    params = local_bytes(task.parameters())
+    note = f"x{flight} microbatches in flight" if flight > 1 else ""
+    return RankMemory(rank, role, params, grads, states, activations(peak) * flight, note)
+
+
+def tensor_plan(task, cfg, dims) -> dict[str, str]:
+    from framework.nn.plan import auto_plan, collect_plan
+
+    given = dict(str(e).rsplit(":", 1) for e in cfg.tp_plan)
+    if given or dims.tp == 1 or collect_plan(task):
+        return given
+    return auto_plan(task, dims.tp)
+
+
+def pipeline_cut(task, cfg, dims, coords, batch):
+    """This rank's stages (balanced by parameter count unless split points are given) and the
+    input each of its stages receives for one microbatch (found by running the whole chain on
+    fake tensors before the cut)."""
+    from framework.strategies.parallel import stages
+    from framework.strategies.parallel.schedule import inputs_and_targets
+
+    owners = stages.stage_owners(cfg.schedule, dims.pp, cfg.virtual_stages)
+    n_stages = sum(len(s) for s in owners)
+    cut = stages.cut(task, list(cfg.split_points), n_stages, owners[coords["pp"]])
+    x, y = inputs_and_targets(task, batch)
+    rows = max(1, x.shape[0] // cfg.microbatches)
+    x, y = x[:rows], y[:rows]
+    inputs, h = {}, x
+    with torch.no_grad():
+        for i, layer in enumerate(cut.chain):
+            if i in cut.starts:
+                s = cut.starts.index(i)
+                inputs[s] = h if s == 0 else h.detach().requires_grad_(h.is_floating_point())
+            h = layer.run(h)
+    empty = [s for s in range(n_stages) if not cut.layers(s)]
+    if empty:
+        raise ValueError(f"pipeline stage {empty[0]} would hold no layer")
+    inputs["target"] = y
+    return cut, inputs
+
+
+def stage_steps(task, modules, inputs, cut):
+    """Forward and backward of one microbatch through each of this rank's stages."""
+    last = len(cut.starts) - 1
+
+    def run():
+        for s in cut.mine:
+            out = modules[s](inputs[s])
+            if s == last:
+                task.loss(out, inputs["target"]).backward()
+            else:
+                out.backward(torch.ones_like(out))
+
+    return run
+
+
+def in_flight(cfg, dims, position: int) -> int:
+    """Microbatches whose activations a pipeline rank holds at once: all of them for gpipe,
+    at most the stages still ahead for the one-forward-one-backward schedules."""
+    if cfg.schedule == "gpipe":
+        return cfg.microbatches
+    return max(1, min(cfg.microbatches, dims.pp - position) * cfg.virtual_stages)
