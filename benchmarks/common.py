@@ -55,14 +55,17 @@ def save_results(name: str, results: dict, load_at_start: float) -> None:
     )
 
 
-def train_command(run_dir: str, steps: int, devices: int, *args: str) -> list[str]:
-    """`fw train` on CPU for a benchmark: no progress bar, summary, validation or callbacks."""
+def train_command(
+    run_dir: str, steps: int, devices: int, *args: str, accelerator: str = "cpu"
+) -> list[str]:
+    """`fw train` for a benchmark (on CPU unless `accelerator` says otherwise): no progress bar,
+    summary, validation or callbacks."""
     return [
         FW,
         "train",
         *args,
         f"trainer.devices={devices}",
-        "trainer.accelerator=cpu",
+        f"trainer.accelerator={accelerator}",
         f"trainer.max_steps={steps}",
         "trainer.limit_val_batches=0",
         "trainer.enable_progress_bar=false",
@@ -87,8 +90,9 @@ def step_durations(out_dir: str) -> list[float]:
     return [end - start for start, end in zip(times["starts"], times["ends"], strict=True)]
 
 
-def run_checked(command: list[str], what: object) -> None:
-    """Run a benchmark's command from the repository root; RuntimeError with its stderr tail."""
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+def run_checked(command: list[str], what: object, env: dict[str, str] | None = None) -> None:
+    """Run a benchmark's command from the repository root (in `env`, default: this process's
+    environment); RuntimeError with its stderr tail."""
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
