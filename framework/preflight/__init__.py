@@ -74,4 +74,11 @@ def plan_command(args: list[str], parse) -> int:
         raise ConfigError("-m", "multirun", "fw plan plans one job; give one value per key")
     options, refused = plan(overrides, int(gpus), gpu_mem, dirs)
     sys.stdout.write(table(options, refused, overrides, int(gpus)) + "\n")
-    return 0 if options else 2
+    if not options:
+        raise ConfigError(
+            "--gpu-mem",
+            gpu_mem,
+            f"no layout of the job over {gpus} GPUs passes fw check and fits (reasons above)",
+            hint="Add GPUs, lower the per-rank batch, or turn on trainer.activation_checkpointing.",
+        )
+    return 0

@@ -190,7 +190,8 @@ def simulate(
     if kind == "deepspeed":
         replica, note = zero_states(replica, strategy, cfg.trainer.precision, world)
         notes.append(note)
-    return CheckReport(f"{kind} x {world.world_size}", world.world_size, [replica], notes=notes)
+    name = f"zero{strategy.stage}" if kind == "deepspeed" else kind
+    return CheckReport(f"{name} x {world.world_size}", world.world_size, [replica], notes=notes)
 
 
 def failing_rank(rank: int, layout: str, run) -> RankMemory:

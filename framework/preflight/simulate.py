@@ -12,12 +12,15 @@ a plan that does not apply or a stage that cannot run fails here as it would in 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+
+log = logging.getLogger("framework.preflight")
 
 SCHEDULE_IN_FLIGHT = {"gpipe": "m"}  # the others keep at most (pp - position) microbatches
 
@@ -126,8 +129,39 @@ def optimizer_of(task) -> Any:
     return built
 
 
-def step(task, optimizer, run_backward, precision: str) -> tuple[dict[str, int], int, int]:
-    """One step under MemTracker: (bytes at the peak by kind, grads' bytes, optimizer's bytes)."""
+def step(task, optimizer, run_backward, precision: str) -> tuple[dict[str, int] | None, int, int]:
+    """One step under MemTracker: (bytes at the peak by kind, grads' bytes, optimizer's bytes).
+    A step whose shapes depend on the data (a mixture-of-experts layer's tokens per expert)
+    cannot run on fake tensors: then the peak is None and the gradients and optimizer state are
+    those of a step on zero gradients."""
+    try:
+        return tracked_step(task, optimizer, run_backward, precision)
+    except data_dependent() as err:
+        log.info("fw check: %s has data-dependent shapes; model states only", type(err).__name__)
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in task.modules():  # the forward stopped with parameters gathered
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    for p in task.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    grads = local_bytes(p.grad for p in task.parameters())
+    optimizer.step()
+    return None, grads, local_bytes(v for s in optimizer.state.values() for v in s.values())
+
+
+def data_dependent() -> tuple[type[Exception], ...]:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
+
+
+def tracked_step(task, optimizer, run_backward, precision: str):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -188,12 +222,19 @@ def replica_rank(
             task, optimizer, whole_step(task, fake_batch(mode, batch), False), trainer_cfg.precision
         )
     params = local_bytes(task.parameters())
-    return RankMemory(rank, "every rank", params, grads, states, activations(peak))
+    note = UNSIMULATED if peak is None else ""
+    return RankMemory(rank, "every rank", params, grads, states, activations(peak), note)
 
 
-def activations(peak: dict[str, int]) -> int:
-    """What the step's peak holds besides parameters, gradients and optimizer state."""
+def activations(peak: dict[str, int] | None) -> int:
+    """What the step's peak holds besides parameters, gradients and optimizer state (0 when the
+    step could not run on fake tensors)."""
+    if peak is None:
+        return 0
     return sum(n for kind, n in peak.items() if kind in ("act", "temp", "buffer", "oth"))
+
+
+UNSIMULATED = "activations not simulated: the step's shapes depend on the data"
 
 
 @contextlib.contextmanager
@@ -246,6 +287,8 @@ def parallel_rank(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms
         peak, grads, states = step(task, optimizer, run, precision)
     params = local_bytes(task.parameters())
     note = f"x{flight} microbatches in flight" if flight > 1 else ""
+    if peak is None:
+        note = UNSIMULATED
     return RankMemory(rank, role, params, grads, states, activations(peak) * flight, note)
 
 

@@ -169,3 +169,18 @@ def test_plan_lists_only_layouts_check_accepts_and_recommends_one_that_fits():
     command = next(line for line in shown.splitlines() if line.startswith("*"))
     assert f"fw train {' '.join(base)} {' '.join(options[0].overrides)}" in command
     assert "Left out:\n  ddp: needs" in shown
+
+
+def test_a_mixture_of_experts_job_is_not_refused_for_its_data_dependent_routing():
+    """Tokens per expert depend on the data, which fake tensors do not have: the check reports
+    the model states (Adam: two states per parameter element) and says activations are not
+    simulated, instead of calling a valid job a failure."""
+    from framework.preflight.check import check
+
+    report = check(
+        ["task=moe_gpt", "strategy=expert", "trainer.devices=8", "trainer.accelerator=gpu"]
+    )
+    for rank in report.ranks:
+        assert rank.optimizer == pytest.approx(2 * rank.params, rel=1e-3)  # + the step counts
+        assert rank.grads == rank.params
+        assert "activations not simulated" in rank.note
