@@ -20,6 +20,8 @@ usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per
                                                   memory per rank and first-step failures of
                                                   the job, for any process count, in this process
        fw plan --gpus N --gpu-mem SIZE|GPU [KEY=VALUE ...]   the layouts that fit, best first
+       fw prepare [--workers N] [KEY=VALUE ...]       encode the task's data once (e.g. into
+                                                  task.data.prepared), resumable
        fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]   write one plain state dict
        fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]     draw loss, speed, memory (runs overlaid)
        fw --help | fw train --help
@@ -94,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             from framework.preflight import check_command
 
             return check_command(rest, parse_args)
+        if command == "prepare":
+            from framework.prepare import prepare_command
+
+            return prepare_command(rest, parse_args)
         if command == "plan":
             from framework.preflight import plan_command
 
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             "command",
             command,
             "unknown command",
-            ["train", "check", "plan", "config", "export", "plot"],
+            ["train", "prepare", "check", "plan", "config", "export", "plot"],
         )
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")

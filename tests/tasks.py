@@ -263,6 +263,33 @@ class PlainDigitsData(pl.LightningDataModule):
         return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
 
 
+class SlowLoadingDigits(pl.LightningDataModule):
+    """Digits whose every sample takes `sample_sleep` seconds to load: a loader that starves the
+    step."""
+
+    def __init__(self, batch_size: int = 32, sample_sleep: float = 0.002) -> None:
+        super().__init__()
+        self.batch_size, self.sample_sleep = batch_size, sample_sleep
+
+    def setup(self, stage=None) -> None:
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        sleep = self.sample_sleep
+
+        class Slow(torch.utils.data.TensorDataset):
+            def __getitem__(self, i):
+                time.sleep(sleep)
+                return super().__getitem__(i)
+
+        self.train_set = Slow(torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y))
+
+    def train_dataloader(self):
+        from framework.data import make_loader
+
+        return make_loader(self.train_set, self.batch_size, shuffle=True)
+
+
 class SlowPlainDigits(PlainDigits):
     """PlainDigits whose steps take `step_sleep` seconds, so a test can kill it mid-run."""
 

@@ -110,6 +110,7 @@ class Checkpointer(pl.Callback):
                 )
             elif sampler is None and self.cursor:
                 log.warning("The train loader's position could not be restored (see above).")
+            restart_iterator(trainer)
         if self.cfg.on_preemption:
             for sig in PREEMPT_SIGNALS:  # installed after Lightning's own handlers, replacing them
                 signal.signal(sig, self._on_signal)
@@ -319,6 +320,17 @@ def _gather(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     out: list[Any] = [None] * world_size
     dist.all_gather_object(out, state)
     return out
+
+
+def restart_iterator(trainer: pl.Trainer) -> None:
+    """Lightning starts iterating the train loader before any callback hook runs; with loader
+    workers that draws the first indices from the sampler at once, before the resumed position
+    was set. Nothing has been consumed yet, so the iterator is made again (the persistent workers
+    stay) and starts where the run left off."""
+    loader = trainer.train_dataloader
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if getattr(loader, "num_workers", 0) > 0 and fetcher is not None:
+        iter(fetcher)
 
 
 def _global_order_sampler(trainer: pl.Trainer) -> GlobalOrderSampler | None:

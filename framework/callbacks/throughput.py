@@ -11,7 +11,7 @@ Every `window` optimizer steps rank 0 logs, averaged over the window (validation
 | perf/mfu | perf/tflops_per_device / the device's peak (trainer.peak_tflops, else the known GPU's dense bf16 peak); not logged when neither is known (the CPU) |
 | perf/memory_peak_gib | CUDA: the most memory allocated so far; CPU: the process's peak resident set |
 | perf/memory_reserved_gib | CUDA: the most memory the caching allocator reserved so far |
-| perf/data_wait_ms | the time from the end of one batch to the start of the next, in which the loader hands over the next batch |
+| perf/data_wait_ms | the time from the end of one batch to the start of the next, in which the loader hands over the next batch; a warning names the loader when it exceeds `warn_data_wait` of the step time |
 
 FLOPs are counted, not estimated: the first training batch runs under torch's
 `FlopCounterMode`, which adds up the FLOPs of every matrix multiplication and attention kernel this
@@ -36,6 +36,11 @@ class Config:
     window: int = doc(10, "Average over this many optimizer steps.", min=1)
     count_flops: bool = doc(
         True, "Count the FLOPs of the first batch (FlopCounterMode) for TFLOP/s and MFU."
+    )
+    warn_data_wait: float = doc(
+        0.1,
+        "Warn (once) when waiting for data takes more than this share of the step time (0: never).",
+        min=0,
     )
 
 
@@ -92,6 +97,7 @@ def device_peak(configured: float | None, device) -> float | None:
 
 
 def build(cfg: Config, ctx):
+    import logging
     import time
 
     import lightning.pytorch as pl
@@ -109,6 +115,7 @@ def build(cfg: Config, ctx):
             self.batch_ended: float | None = None
             self.peak: float | None = None
             self.last_step = 0  # trainer.global_step at the last batch's end
+            self.warned = False
 
         def reset(self) -> None:
             self.start: float | None = None
@@ -170,10 +177,28 @@ def build(cfg: Config, ctx):
                     log("perf/mfu", tflops / self.peak)
             if self.batches > 1:
                 log("perf/data_wait_ms", 1000 * self.waited / (self.batches - 1))
+                self.warn_waiting(trainer, self.waited / seconds)
             peak, reserved = peak_memory(trainer.strategy.root_device)
             log("perf/memory_peak_gib", peak)
             if reserved is not None:
                 log("perf/memory_reserved_gib", reserved)
+
+        def warn_waiting(self, trainer, share: float) -> None:
+            if self.warned or not cfg.warn_data_wait or share <= cfg.warn_data_wait:
+                return
+            self.warned = True
+            loader = trainer.train_dataloader
+            dataset = type(getattr(loader, "dataset", None)).__name__
+            workers = getattr(loader, "num_workers", "?")
+            logging.getLogger("framework.throughput").warning(
+                "Training waits for data %.0f%% of the time (over %g%%: "
+                "callbacks.throughput.warn_data_wait): the loader of %s with num_workers=%s "
+                "does not keep up. Give it more workers, or make __getitem__ cheaper.",
+                100 * share,
+                100 * cfg.warn_data_wait,
+                dataset,
+                workers,
+            )
 
         def on_validation_start(self, trainer, pl_module) -> None:
             self.reset()

@@ -41,9 +41,12 @@ def dry_build(task_cfg: DictConfig) -> Any:
         return None
     data_args = {k: v for k, v in plain(task_cfg.data).items() if k != "_target_"}
     try:
-        instantiate_args(task_cfg.data)
+        data = instantiate_args(task_cfg.data)
     except Exception as err:
         raise blame("task.data", data_args, err, task_cfg.data._target_) from None
+    ready = getattr(data, "check_ready", None)  # e.g. a prepared dataset that is not there
+    if callable(ready):
+        ready("task.data")
     if isinstance(task, TaskModule):
         opt_args = {k: v for k, v in plain(task_cfg.optimizer).items() if k != "_target_"}
         try:

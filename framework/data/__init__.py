@@ -25,6 +25,8 @@ def make_loader(
     `batch_size` is per process. `seed` defaults to the run's seed (set by the runner through
     Lightning's seed_everything); training loaders drop the ragged tail, evaluation loaders pad it
     with at most world_size - 1 repeated samples so every rank runs the same number of batches.
+    On CUDA batches go through pinned memory (a faster, asynchronous copy to the device); with
+    workers, each keeps 4 batches ready (torch's default is 2), which absorbs uneven load times.
     """
     if seed is None:
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
@@ -40,5 +42,7 @@ def make_loader(
         drop_last=drop,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+        prefetch_factor=4 if num_workers > 0 else None,
         generator=generator,
     )

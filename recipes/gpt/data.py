@@ -1,11 +1,17 @@
-"""Bytes of a text corpus cut into blocks; the last `val_fraction` of the bytes is held out.
+"""Bytes of a text corpus cut into blocks; the last `val_fraction` is held out.
 
 The default corpus is the Python standard library's own source files (present on every machine
 with Python): read in sorted path order up to `max_bytes`, so it is the same everywhere.
+
+Two ways to read it: whole into memory (`path`: one text file, or the standard library), or
+prepared once by `fw prepare task=gpt task.data.prepared=DIR [task.data.source=DIR]` into a
+chunked dataset (framework/data/prepared.py) that training then reads block by block
+(`task.data.prepared=DIR`), for corpora that do not fit in memory.
 """
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -14,25 +20,27 @@ import torch
 from torch.utils.data import Dataset
 
 from framework.data import make_loader
+from framework.data.prepared import TokenBlocks, byte_tokens, fingerprint, is_prepared, text_files
 from framework.errors import ConfigError
+
+
+def stdlib_files(max_bytes: int) -> list[Path]:
+    """The standard library's readable .py files in sorted order, until max_bytes are reached."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or not os.access(path, os.R_OK):
+            continue
+        files.append(path)
+        size += path.stat().st_size
+        if size >= max_bytes:
+            break
+    return files
 
 
 def stdlib_corpus(max_bytes: int) -> bytes:
     """The standard library's .py files, concatenated in sorted order, up to max_bytes."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, size = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        size += len(data)
-        if size >= max_bytes:
-            break
-    return b"".join(chunks)[:max_bytes]
+    return b"".join(p.read_bytes() for p in stdlib_files(max_bytes))[:max_bytes]
 
 
 class ByteBlocks(Dataset):
@@ -51,6 +59,23 @@ class ByteBlocks(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class Shifted(Dataset):
+    """Blocks `start`..`stop` of a prepared dataset as (input, target): a block of
+    block_size + 1 tokens, the target shifted by one."""
+
+    def __init__(self, blocks: TokenBlocks, start: int, stop: int) -> None:
+        self.blocks, self.start, self.stop = blocks, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        chunk = self.blocks[self.start + i].long()
+        return chunk[:-1], chunk[1:]
+
+
 class TextDataModule(pl.LightningDataModule):
     """Byte-level language-modelling data from a text file (or the stdlib sources by default)."""
 
@@ -62,9 +87,15 @@ class TextDataModule(pl.LightningDataModule):
         val_fraction: float = 0.05,
         max_bytes: int = 4_000_000,
         num_workers: int = 0,
+        prepared: str | None = None,
+        source: str | None = None,
+        chunk_bytes: int = 16_000_000,
     ) -> None:
         super().__init__()
         self.path = path
+        self.prepared = prepared
+        self.source = source
+        self.chunk_bytes = chunk_bytes
         self.block_size = block_size
         self.batch_size = batch_size
         self.val_fraction = val_fraction
@@ -81,15 +112,72 @@ class TextDataModule(pl.LightningDataModule):
                 "no such file",
                 hint="Give a readable text file, or null for the standard library's sources.",
             )
-        for key in ("block_size", "batch_size", "max_bytes"):
+        for key in ("block_size", "batch_size", "max_bytes", "chunk_bytes"):
             if key in args and args[key] < 1:
                 raise ConfigError(f"{prefix}.{key}", args[key], "must be at least 1")
         if not 0.0 < args.get("val_fraction", 0.05) < 1.0:
             raise ConfigError(
                 f"{prefix}.val_fraction", args["val_fraction"], "must be between 0 and 1"
             )
+        if args.get("prepared") is not None and args.get("path") is not None:
+            raise ConfigError(
+                f"{prefix}.path",
+                args["path"],
+                "reads a file into memory; prepared data is read "
+                "from task.data.prepared: give one of the two",
+                ["null"],
+            )
+
+    def check_ready(self, prefix: str = "task.data") -> None:
+        """Training on `prepared` needs it prepared (`fw train` calls this before launch)."""
+        if self.prepared is not None and not is_prepared(Path(self.prepared)):
+            raise ConfigError(
+                f"{prefix}.prepared",
+                self.prepared,
+                "is not a prepared dataset (or its preparation did not finish)",
+                hint=f"Run: fw prepare task=gpt {prefix}.prepared={self.prepared} "
+                f"[{prefix}.source=DIR]",
+            )
+
+    def prepare(self, workers: int) -> bool:
+        """`fw prepare`: the text files of `source` (or the standard library's sources, up to
+        max_bytes) as byte tokens into `prepared`; False when that was already done."""
+        from framework.data.prepared import prepare
+
+        if self.prepared is None:
+            raise ConfigError(
+                "task.data.prepared",
+                None,
+                "names the directory to prepare into",
+                hint="fw prepare task=gpt task.data.prepared=DIR",
+            )
+        if self.source is None:
+            files, source = stdlib_files(self.max_bytes), "the standard library's sources"
+        else:
+            files = text_files(Path(self.source), "task.data.source", self.max_bytes)
+            source = str(Path(self.source).resolve())
+        manifest = {"input": fingerprint(files), "source": source, "encoder": "bytes"}
+        return prepare(
+            [str(f) for f in files],
+            byte_tokens,
+            Path(self.prepared),
+            workers,
+            manifest,
+            "task.data.prepared",
+            self.chunk_bytes,
+        )
 
     def setup(self, stage: str | None = None) -> None:
+        if self.prepared is not None:
+            self.check_ready()
+            blocks = TokenBlocks(self.prepared, self.block_size + 1)
+            held_out = max(1, int(len(blocks) * self.val_fraction))
+            split = len(blocks) - held_out
+            if split < 1:
+                raise ValueError(f"{self.prepared} holds too few blocks of {self.block_size + 1}")
+            self.train_set = Shifted(blocks, 0, split)
+            self.val_set = Shifted(blocks, split, len(blocks))
+            return
         raw = (
             Path(self.path).read_bytes()[: self.max_bytes]
             if self.path

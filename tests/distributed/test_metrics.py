@@ -61,3 +61,33 @@ def test_throughput_metrics_reach_the_csv_and_wandb(tmp_path):
         "perf/memory_peak_gib",
     ):
         assert key.encode() in record, key
+
+
+def test_a_loader_that_starves_the_step_is_named_in_a_warning(tmp_path):
+    args = [
+        *QUIET,
+        "task=digits",
+        "task.data._target_=tests.tasks.SlowLoadingDigits",
+        "~task.data.val_fraction",
+        "trainer.max_steps=8",
+        "trainer.limit_val_batches=0",
+        "callbacks.throughput.window=3",
+        "trainer.log_every_n_steps=1",
+        "callbacks.checkpoint=null",
+        "logger=[csv]",
+        "run.dir=run",
+    ]
+    result = subprocess.run(
+        [str(FW), "train", *args],
+        cwd=tmp_path,
+        env=fw_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Training waits for data" in result.stderr, result.stderr[-3000:]
+    assert "the loader of Slow with num_workers=0" in result.stderr
+    assert result.stderr.count("Training waits for data") == 1, "once"
+    rows = [r for r in read_metrics(tmp_path / "run") if r.get("perf/data_wait_ms")]
+    assert rows and all(float(r["perf/data_wait_ms"]) > 32 * 2 * 0.5 for r in rows)

@@ -1,0 +1,54 @@
+"""`fw prepare [--workers N] OVERRIDES`: run the task's data module's `prepare(workers)` once,
+before training, with the config `fw train` would compose (e.g. the gpt recipe's byte tokens
+into `task.data.prepared`; see framework/data/prepared.py and docs/data.md).
+
+Only the task's data section is checked and built here (a preparation needs no model); what
+`fw train` checks besides is checked when it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from framework.errors import ConfigError
+
+log = logging.getLogger("framework.prepare")
+
+
+def prepare_command(args: list[str], parse) -> int:
+    from framework.config.compose import compose_config
+    from framework.config.validate import check_fields, check_task
+    from framework.preflight import take_option
+    from framework.runner import resolve
+    from framework.worker import instantiate_args
+
+    workers, args = take_option(args, "--workers")
+    count = os.cpu_count() or 1
+    if workers is not None and (not workers.isdigit() or int(workers) < 1):
+        raise ConfigError("--workers", workers, "must be a whole number of processes, at least 1")
+    multirun, dirs, overrides, _ = parse(args)
+    if multirun:
+        raise ConfigError("-m", "multirun", "fw prepare prepares one dataset")
+    cfg = compose_config(overrides, dirs)
+    resolve(cfg)
+    check_fields(cfg, "")
+    check_task(cfg.task)
+    data = instantiate_args(cfg.task.data)
+    hook = getattr(data, "prepare", None)
+    if not callable(hook):
+        raise ConfigError(
+            "task.data._target_",
+            cfg.task.data._target_,
+            "has no prepare(workers) method: there is nothing to prepare",
+            hint="See docs/data.md for writing one with framework.data.prepared.prepare.",
+        )
+    done = hook(int(workers) if workers else count)
+    where = getattr(data, "prepared", None)
+    sys.stdout.write(
+        f"{'Prepared' if done else 'Already prepared, nothing to do'}: {where}\n"
+        if where
+        else ("Prepared.\n" if done else "Already prepared.\n")
+    )
+    return 0

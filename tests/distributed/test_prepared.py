@@ -1,0 +1,190 @@
+"""`fw prepare` writes a corpus once, in parallel, resumably and deterministically; the gpt recipe
+trains on it with the framework's order and resume guarantees (any process count)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FW, QUIET, fw, fw_env, losses
+
+pytestmark = pytest.mark.slow
+CORPUS = ["task=gpt", "task.data.max_bytes=1500000", "task.data.chunk_bytes=60000"]
+
+
+def prepare(out: Path, *extra: str, cwd: Path) -> subprocess.CompletedProcess:
+    return fw("prepare", "--workers", "2", *CORPUS, f"task.data.prepared={out}", *extra, cwd=cwd)
+
+
+def contents(out: Path) -> dict[str, str]:
+    """Every file's hash; index.json without its time stamp."""
+    found = {}
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        if path.name == "index.json":
+            index = json.loads(data)
+            index.get("config", {}).pop("updated_at", None)
+            index.pop("updated_at", None)
+            data = json.dumps(index, sort_keys=True).encode()
+        found[str(path.relative_to(out))] = hashlib.sha256(data).hexdigest()
+    return found
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """The corpus prepared without interruption."""
+    root = tmp_path_factory.mktemp("prepared")
+    result = prepare(root / "data", cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "data"
+
+
+def test_a_killed_preparation_rerun_gives_the_same_bytes_and_a_third_run_is_a_no_op(
+    prepared, tmp_path
+):
+    out = tmp_path / "data"
+    args = ["prepare", "--workers", "2", *CORPUS, f"task.data.prepared={out}"]
+    proc = subprocess.Popen(
+        [str(FW), *args],
+        cwd=tmp_path,
+        env=fw_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(out.glob("chunk-*.bin")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "index.json").exists(), "killed before it finished"
+    again = prepare(out, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert contents(out) == contents(prepared)
+    third = prepare(out, cwd=tmp_path)
+    assert third.returncode == 0 and "Already prepared, nothing to do" in third.stdout
+    assert contents(out) == contents(prepared)
+
+
+def test_bad_input_is_refused_before_any_work(prepared, tmp_path, monkeypatch, capsys):
+    from framework.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("not a dataset")
+    cases = {
+        "missing": (
+            [f"task.data.source={tmp_path / 'nope'}"],
+            tmp_path / "a",
+            "is not a directory",
+        ),
+        "empty": ([f"task.data.source={empty}"], tmp_path / "b", "holds no text"),
+        "foreign dir": ([], other, "exists and is not an empty directory or a prepared dataset"),
+        "other dataset": (
+            [f"task.data.source={other}"],
+            prepared,
+            "holds a dataset prepared from other input",
+        ),
+        "workers": (["--workers", "0"], tmp_path / "c", "--workers=0: must be a whole number"),
+    }
+    for name, (extra, out, message) in cases.items():
+        before = contents(out) if out.exists() else None
+        code = main(["prepare", *CORPUS, f"task.data.prepared={out}", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert (contents(out) if out.exists() else None) == before, name
+    code = main(["train", "task=gpt", f"task.data.prepared={tmp_path / 'b'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is not a prepared dataset" in err and "fw prepare task=gpt" in err
+
+
+TRAIN = [
+    *QUIET,
+    *CORPUS,
+    "task.model.n_layer=2",
+    "task.model.n_head=2",
+    "task.model.n_embd=64",
+    "task.model.block_size=64",
+    "trainer.max_steps=12",
+    "trainer.log_every_n_steps=1",
+    "trainer.deterministic=true",
+    "trainer.limit_val_batches=2",
+    "trainer.val_check_interval=6",
+    "callbacks.checkpoint.every_n_steps=4",
+    "logger=[csv]",
+]
+
+
+def test_training_on_prepared_data_is_the_same_for_any_process_count_and_resumes_exactly(
+    prepared, tmp_path
+):
+    data = f"task.data.prepared={prepared}"
+    one = fw("train", *TRAIN, data, "task.data.batch_size=8", "run.dir=one", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = fw(
+        "train",
+        *TRAIN,
+        data,
+        "task.data.batch_size=4",
+        "trainer.devices=2",
+        "+task.data.num_workers=1",
+        "run.dir=two",
+        cwd=tmp_path,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(want) == sorted(got) == list(range(12))
+    assert all(abs(want[s] - got[s]) <= 1e-5 for s in want), (want, got)
+    # the 2-process run resumed by 1 process from its step-8 checkpoint: the same next samples
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    source = tmp_path / "two" / "checkpoints"
+    step8 = next(p for p in source.iterdir() if p.name.endswith("00000008"))
+    again = fw(
+        "train",
+        *TRAIN,
+        data,
+        "task.data.batch_size=8",
+        "run.dir=resumed",
+        f"resume={step8}",
+        cwd=tmp_path,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = losses(resumed)
+    assert sorted(after) == list(range(8, 12)), "resumed at step 8"
+    assert all(abs(after[s] - want[s]) <= 1e-5 for s in after), (after, want)
+    # killed with -9 mid-epoch and run again: bitwise the uninterrupted run's losses
+    args = [*TRAIN, data, "task.data.batch_size=4", "trainer.devices=2", "+task.data.num_workers=1"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [str(FW), "train", *args, "run.dir=killed"],
+        cwd=tmp_path,
+        env=fw_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        (killed / "metrics.csv").exists() and max(losses(killed), default=-1) >= 6
+    ):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = fw("train", *args, "run.dir=killed", cwd=tmp_path)
+    assert rerun.returncode == 0 and "Resuming from" in rerun.stderr, rerun.stderr[-3000:]
+    assert losses(killed) == got, "bitwise the uninterrupted 2-process run"
