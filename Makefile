@@ -25,7 +25,7 @@ run: install
 	$(BIN)/fw train task=gpt
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=40
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
