@@ -115,11 +115,14 @@ def count_cpu_attention() -> None:
 
 
 def flop_counter():
-    """torch's FlopCounterMode counting the FLOPs this process computes: an operation on
-    DTensors is seen with the tensors' global shapes, so its count is divided by the size of
-    every mesh dimension over which one of its inputs is split (each rank computes that share)."""
+    """A dispatch mode counting the FLOPs this process computes, with the formulas of torch's
+    FlopCounterMode (its registry) but without its module tracking, whose backward hooks break
+    the pipeline schedules' `autograd.grad` calls. An operation on DTensors is seen with the
+    tensors' global shapes, so its count is divided by the size of every mesh dimension over
+    which one of its inputs is split (each rank computes that share). `get_total_flops()`."""
     from torch.distributed.tensor import DTensor
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
 
     count_cpu_attention()
 
@@ -134,14 +137,20 @@ def flop_counter():
                 divisor *= mesh.size(dim)
         return divisor
 
-    class LocalFlopCounter(FlopCounterMode):
-        def _count_flops(self, func_packet, out, args, kwargs):
-            divisor = split_over(args)
-            if divisor == 1 or func_packet not in self.flop_registry:
-                return super()._count_flops(func_packet, out, args, kwargs)
-            count = self.flop_registry[func_packet](*args, **kwargs, out_val=out) // divisor
-            for parent in set(self.mod_tracker.parents):
-                self.flop_counts[parent][func_packet] += count
+    class LocalFlops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.total += formula(*args, **kwargs, out_val=out) // split_over(args)
             return out
 
-    return LocalFlopCounter(display=False)
+        def get_total_flops(self) -> int:
+            return self.total
+
+    return LocalFlops()
