@@ -13,9 +13,10 @@ Every `window` optimizer steps rank 0 logs, averaged over the window (validation
 | perf/memory_reserved_gib | CUDA: the most memory the caching allocator reserved so far |
 | perf/data_wait_ms | the time from the end of one batch to the start of the next, in which the loader hands over the next batch; a warning names the loader when it exceeds `warn_data_wait` of the step time |
 
-FLOPs are counted, not estimated: the first training batch runs under torch's
-`FlopCounterMode`, which adds up the FLOPs of every matrix multiplication and attention kernel this
-rank executes in forward and backward (elementwise work is not counted). Under activation
+FLOPs are counted, not estimated: the first training batch runs under a dispatch mode that adds
+up, with torch's FlopCounterMode formulas, the FLOPs of every matrix multiplication and attention
+kernel this rank executes in forward and backward (elementwise work is not counted;
+`framework.perf.flop_counter`). Under activation
 checkpointing the recomputed forward is counted too, so perf/mfu is then the hardware FLOPs
 utilisation. With `trainer.compile=true` the count is taken the same way, on the first (eager,
 tracing) batch. The count is logged once as perf/flops_per_batch.
@@ -35,7 +36,7 @@ class Config:
     kind: str = doc("throughput", "Callback plugin.")
     window: int = doc(10, "Average over this many optimizer steps.", min=1)
     count_flops: bool = doc(
-        True, "Count the FLOPs of the first batch (FlopCounterMode) for TFLOP/s and MFU."
+        True, "Count the FLOPs of the first batch (torch's formulas) for TFLOP/s and MFU."
     )
     warn_data_wait: float = doc(
         0.1,
