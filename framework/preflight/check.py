@@ -119,7 +119,8 @@ def first_batch(cfg: DictConfig, world) -> Any:
             "task.data", cfg.task.data._target_, f"raised {type(err).__name__}: {err}"
         ) from None
     ranks = data_ranks(cfg, world)
-    size = len(getattr(loader, "dataset", None) or []) if hasattr(loader, "dataset") else None
+    dataset = getattr(loader, "dataset", None)
+    size = len(dataset) if hasattr(dataset, "__len__") else None
     per_rank = getattr(loader, "batch_size", None)
     if batch is None or (size is not None and per_rank and size < ranks * per_rank):
         raise ConfigError(

@@ -57,7 +57,7 @@ def layouts(gpus: int, tp_limit: int) -> list[tuple[str, list[str]]]:
     small = [d for d in (2, 4, 8) if gpus % d == 0 and d <= gpus]
     for tp in (d for d in small if d <= tp_limit):
         found.append((f"fsdp x tp{tp}", ["strategy=fsdp_tp", f"strategy.tp={tp}"]))
-    for pp in (d for d in small if d < gpus or d == gpus):
+    for pp in small:
         found.append(
             (f"pp{pp} x fsdp", ["strategy=pipeline", f"strategy.pp={pp}", "strategy.fsdp=-1"])
         )
