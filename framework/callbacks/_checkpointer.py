@@ -326,11 +326,15 @@ def restart_iterator(trainer: pl.Trainer) -> None:
     """Lightning starts iterating the train loader before any callback hook runs; with loader
     workers that draws the first indices from the sampler at once, before the resumed position
     was set. Nothing has been consumed yet, so the iterator is made again (the persistent workers
-    stay) and starts where the run left off."""
+    stay) and starts where the run left off. The fetcher's length stays the whole epoch's, as
+    Lightning counts it (it adds the batches already trained to those it fetches)."""
     loader = trainer.train_dataloader
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if getattr(loader, "num_workers", 0) > 0 and fetcher is not None:
+        length = fetcher.length
         iter(fetcher)
+        if length is not None:
+            fetcher.length, fetcher.done = length, length == 0
 
 
 def _global_order_sampler(trainer: pl.Trainer) -> GlobalOrderSampler | None:

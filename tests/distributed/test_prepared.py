@@ -117,21 +117,53 @@ TRAIN = [
     "task.model.n_head=2",
     "task.model.n_embd=64",
     "task.model.block_size=64",
-    "trainer.max_steps=12",
+    "task.data.val_fraction=0.995",  # 116 training blocks: one epoch is 14 steps of 8
+    "trainer.max_steps=-1",
+    "trainer.max_epochs=1",
     "trainer.log_every_n_steps=1",
     "trainer.deterministic=true",
     "trainer.limit_val_batches=2",
     "trainer.val_check_interval=6",
     "callbacks.checkpoint.every_n_steps=4",
+    "callbacks.checkpoint.keep_last=4",
     "logger=[csv]",
 ]
+
+
+EPOCH = 14  # steps in the epoch: 116 training blocks, a global batch of 8, the last 4 left out
+
+
+def recorded(tmp_path: Path, name: str) -> list[str]:
+    """Overrides that make every rank write the ids of the samples it trains on."""
+    return [
+        "+callbacks.ids._target_=tests.distributed.scripts.sample_ids.SampleIds",
+        f"+callbacks.ids.out={tmp_path / ('ids-' + name)}",
+    ]
+
+
+def samples(tmp_path: Path, name: str) -> dict[int, list[str]]:
+    """Step -> the ids of the samples trained on in it (all ranks)."""
+    from tests.distributed.scripts.sample_ids import read
+
+    by_step: dict[int, list[str]] = {}
+    for step, digest in read(tmp_path / ("ids-" + name)):
+        by_step.setdefault(step, []).append(digest)
+    return by_step
 
 
 def test_training_on_prepared_data_is_the_same_for_any_process_count_and_resumes_exactly(
     prepared, tmp_path
 ):
     data = f"task.data.prepared={prepared}"
-    one = fw("train", *TRAIN, data, "task.data.batch_size=8", "run.dir=one", cwd=tmp_path)
+    one = fw(
+        "train",
+        *TRAIN,
+        data,
+        "task.data.batch_size=8",
+        "run.dir=one",
+        *recorded(tmp_path, "one"),
+        cwd=tmp_path,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     two = fw(
         "train",
@@ -141,30 +173,49 @@ def test_training_on_prepared_data_is_the_same_for_any_process_count_and_resumes
         "trainer.devices=2",
         "+task.data.num_workers=1",
         "run.dir=two",
+        *recorded(tmp_path, "two"),
         cwd=tmp_path,
     )
     assert two.returncode == 0, two.stderr[-3000:]
     want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert sorted(want) == sorted(got) == list(range(12))
+    assert sorted(want) == sorted(got) == list(range(EPOCH)), "one whole epoch"
     assert all(abs(want[s] - got[s]) <= 1e-5 for s in want), (want, got)
-    # the 2-process run resumed by 1 process from its step-8 checkpoint: the same next samples
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    source = tmp_path / "two" / "checkpoints"
-    step8 = next(p for p in source.iterdir() if p.name.endswith("00000008"))
-    again = fw(
-        "train",
-        *TRAIN,
-        data,
-        "task.data.batch_size=8",
-        "run.dir=resumed",
-        f"resume={step8}",
-        cwd=tmp_path,
+    # the same samples in each step, each sample of the epoch once (distinct ids make the
+    # digests identities)
+    seen = samples(tmp_path, "two")
+    everything = [d for step in sorted(seen) for d in seen[step]]
+    assert len(everything) == len(set(everything)) == EPOCH * 8
+    assert {s: sorted(d) for s, d in samples(tmp_path, "one").items()} == {
+        s: sorted(d) for s, d in seen.items()
+    }
+    # the 2-process run's step-8 checkpoint resumed by 1 and by 4 processes: the same next
+    # samples, none replayed or skipped
+    step8 = next(
+        p for p in (tmp_path / "two" / "checkpoints").iterdir() if p.name.endswith("00000008")
     )
-    assert again.returncode == 0, again.stderr[-3000:]
-    after = losses(resumed)
-    assert sorted(after) == list(range(8, 12)), "resumed at step 8"
-    assert all(abs(after[s] - want[s]) <= 1e-5 for s in after), (after, want)
+    for name, per_rank in (
+        ("resumed1", ["task.data.batch_size=8"]),
+        ("resumed4", ["task.data.batch_size=2", "trainer.devices=4"]),
+    ):
+        (tmp_path / name).mkdir()
+        again = fw(
+            "train",
+            *TRAIN,
+            data,
+            *per_rank,
+            f"run.dir={name}",
+            f"resume={step8}",
+            *recorded(tmp_path, name),
+            cwd=tmp_path,
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        later = samples(tmp_path, name)
+        assert sorted(later) == list(range(8, EPOCH)), name
+        before = [d for step in range(8) for d in seen[step]]
+        assert sorted(before + [d for s in later for d in later[s]]) == sorted(everything), name
+        after = losses(tmp_path / name)
+        assert sorted(after) == list(range(8, EPOCH)), f"{name} resumed at step 8"
+        assert all(abs(after[s] - want[s]) <= 1e-5 for s in after), (name, after, want)
     # killed with -9 mid-epoch and run again: bitwise the uninterrupted run's losses
     args = [*TRAIN, data, "task.data.batch_size=4", "trainer.devices=2", "+task.data.num_workers=1"]
     killed = tmp_path / "killed"
