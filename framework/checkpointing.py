@@ -55,13 +55,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file whole or not at all: a temporary file, fsynced, renamed over `path`."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def commit(tmp_dir: Path, meta: dict[str, Any]) -> Path:

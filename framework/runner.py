@@ -141,12 +141,7 @@ def write_config(job: Job) -> Path:
     state["group"] = state.get("group") or job.group
     checkpointing.write_json_atomic(job.run_dir / "run.json", state)
     path = job.run_dir / "config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    with tmp.open("w") as fh:
-        fh.write(OmegaConf.to_yaml(OmegaConf.create(redacted_config(job))))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    checkpointing.write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(redacted_config(job))))
     return path
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework import secrets, watchdog
+from framework import lr_scaling, secrets, watchdog
 from framework.context import RunContext, load_run_state
 from framework.logs import quiet_lightning, setup_logging
 from framework.plugins import load_plugin, typed_config
@@ -33,6 +33,8 @@ TRAINER_KEYS_SKIPPED = (
     "activation_checkpointing",
     "compile",
     "peak_tflops",
+    "scale_lr",
+    "reference_batch_size",
 )
 
 
@@ -43,11 +45,12 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
 
     from framework import checkpointing
     from framework.callbacks._checkpointer import STATE_FILE, Checkpointer, Preempted
+    from framework.callbacks._lr_scaling import callbacks as scaling_callbacks
     from framework.nn.transforms import ModelTransforms
     from framework.resume import needs_move
 
     quiet_lightning()
-    cfg = with_secrets(cfg)
+    cfg = lr_scaling.without_record(with_secrets(cfg))
     world = World.current(cfg.trainer)
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
     strategy_cfg = typed_config(plugin, cfg.strategy)
@@ -84,6 +87,7 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
         for name, value in watchdog.nccl_settings(run_dir).items():
             os.environ.setdefault(name, value)
     callbacks += [beat] if beat is not None else []
+    callbacks += scaling_callbacks(cfg.trainer, data_parallel[1], task, run_dir / "config.yaml")
     # with one global order the strategy distributes the loaders (framework.data.order)
     own_order = cfg.task.data_order == "global"
     trainer = make_trainer(cfg.trainer, world, strategy, loggers, callbacks, run_dir, own_order)

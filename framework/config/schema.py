@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from framework.config.fields import doc
+from framework.lr_scaling import RULES as LR_SCALING_RULES
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
@@ -89,6 +90,16 @@ class TrainerConfig:
     log_every_n_steps: int = doc(10, "Write training metrics every N optimizer steps.", min=1)
     accumulate_grad_batches: int = doc(
         1, "Batches whose gradients are summed before each step.", min=1
+    )
+    scale_lr: str = doc(
+        "none",
+        "Scale every optimizer's lr with the global batch (data-parallel ranks x per-rank batch x "
+        "accumulate_grad_batches) against reference_batch_size: linear (x global/reference), "
+        "sqrt (x its square root, for Adam) or none.",
+        LR_SCALING_RULES,
+    )
+    reference_batch_size: int | None = doc(
+        None, "The global batch size the configured lr was tuned at (needed by scale_lr).", min=1
     )
     gradient_clip_val: float | None = doc(
         None, "Clip gradients to this value (None: no clipping).", above=0

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from framework import lr_scaling
 from framework.config.dry_build import dry_build
 from framework.config.fields import field_choices, out_of_bounds
 from framework.errors import ConfigError
@@ -31,6 +32,7 @@ def validate(cfg: DictConfig, here: bool = True) -> World:
     check_fields(cfg, "")
     world = check_world(cfg) if here else target_world(cfg)
     check_task(cfg.task)
+    lr_scaling.check(cfg.trainer)
     model = dry_build(cfg.task)
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
     strategy = typed_config(plugin, cfg.strategy, "strategy")
