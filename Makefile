@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,dev,bench,data]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,dev,bench,data,ray]"
 	$(BIN)/pip install -q -c constraints.txt --no-deps "litdata>=0.2.76"
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -c constraints.txt --no-build-isolation "deepspeed>=0.15"
 	@$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), v; print('torch', v)"
@@ -47,6 +47,7 @@ bench: install
 	$(BIN)/python -m benchmarks.pipeline
 	$(BIN)/python -m benchmarks.moe
 	$(BIN)/python -m benchmarks.checkpoint_stall
+	$(BIN)/python -m benchmarks.data
 	$(BIN)/python -m benchmarks.plot
 
 # One CUDA GPU: GPT-2 small (124M) in bf16, fw train against a hand-written loop (about 15 min;

@@ -20,7 +20,8 @@ usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per
                                                   memory per rank and first-step failures of
                                                   the job, for any process count, in this process
        fw plan --gpus N --gpu-mem SIZE|GPU [KEY=VALUE ...]   the layouts that fit, best first
-       fw prepare [--workers N] [KEY=VALUE ...]       encode the task's data once (e.g. into
+       fw prepare [--workers N] [--engine local|ray] [KEY=VALUE ...]
+                                                  encode the task's data once (e.g. into
                                                   task.data.prepared), resumable
        fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]   write one plain state dict
        fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]     draw loss, speed, memory (runs overlaid)

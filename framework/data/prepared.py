@@ -9,6 +9,13 @@ writes the same bytes as an uninterrupted run. The output holds `fw_prepared.jso
 what it was prepared from: a finished dataset is not prepared again, and a directory holding
 another dataset (or anything else) is refused before any work.
 
+`engine="ray"` writes the same bytes on Ray Data instead, on this machine or on a cluster (when
+`RAY_ADDRESS` names one): the items are cut into `workers` consecutive parts as litdata's ordered
+workers cut them, part k is encoded and written by a Ray task as litdata's worker k writes it
+(`chunk-k-*.bin` and its own index), and the parts' indexes are joined in order into `index.json`.
+A killed run, rerun, keeps the parts that finished and writes the others again
+(framework/data/ray_engine.py).
+
 `TokenBlocks(path, block)` reads the stream back as consecutive blocks of `block` tokens (a tail
 shorter than a block, per chunk, is left out: packing without padding). It is a plain `Dataset`
 with random access (`len`, `[i]` = block i of the whole dataset on every rank), so
@@ -24,6 +31,7 @@ this environment; see docs/data.md for the measurements.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -32,9 +40,11 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from framework.checkpointing import write_text_atomic
 from framework.errors import ConfigError
 
 MANIFEST = "fw_prepared.json"
+ENGINES = ("local", "ray")
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")  # no call to pypi.org per dataset
 
 
@@ -52,7 +62,10 @@ def byte_tokens(path: str):
     """A file's bytes as token ids (uint8): the byte-level encoder of the gpt recipes."""
     import torch
 
-    return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+    data = Path(path).read_bytes()
+    if not data:  # an empty file (a package's __init__.py): no tokens
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def text_files(root: Path, key: str, max_bytes: int | None = None) -> list[Path]:
@@ -88,17 +101,17 @@ def check_output(output: Path, manifest: dict[str, Any], key: str) -> str:
             )
         if old.get("complete"):
             return "done"
-        if (old.get("workers"), old.get("chunk_bytes")) != (
-            manifest["workers"],
-            manifest["chunk_bytes"],
-        ):
-            raise ConfigError(
-                "workers",
-                manifest["workers"],
-                f"the interrupted preparation in {output} ran with {old.get('workers')} workers "
-                f"and chunks of {old.get('chunk_bytes')} bytes; it continues only with the same",
-                [str(old.get("workers"))],
-            )
+        ran = {**old, "engine": old.get("engine", "local")}  # written before there were engines
+        for name in ("workers", "chunk_bytes", "engine"):
+            if ran.get(name) != manifest[name]:
+                raise ConfigError(
+                    name,
+                    manifest[name],
+                    f"the interrupted preparation in {output} ran with {ran.get('workers')} "
+                    f"workers, chunks of {ran.get('chunk_bytes')} bytes and the "
+                    f"{ran['engine']} engine; it continues only with the same",
+                    [str(ran.get(name))],
+                )
         return "resume"
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ConfigError(
@@ -115,20 +128,60 @@ def prepare(
     manifest: dict[str, Any],
     key: str = "output",
     chunk_bytes: int = 16_000_000,
+    engine: str = "local",
 ) -> bool:
     """Encode `items` into `output` (see the module docstring); False when it was already done.
-    `manifest` names the input (`input`: a fingerprint, `source`: for people, `encoder`)."""
-    manifest = {**manifest, "workers": workers, "chunk_bytes": chunk_bytes, "complete": False}
+    `manifest` names the input (`input`: a fingerprint, `source`: for people, `encoder`).
+    `engine`: "local" (litdata's workers on this machine) or "ray" (Ray Data tasks)."""
+    if engine not in ENGINES:
+        raise ConfigError("engine", engine, "is not a preparation engine", list(ENGINES))
+    manifest = {
+        **manifest,
+        "workers": workers,
+        "chunk_bytes": chunk_bytes,
+        "engine": engine,
+        "complete": False,
+    }
     state = check_output(output, manifest, key)
     if state == "done":
         return False
-    import litdata
-
+    if engine == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError(
+            "engine",
+            engine,
+            "needs Ray Data, which is not installed",
+            hint='Install it with: pip install -e ".[ray]" (make install does).',
+        )
+    existed = output.exists()
     output.mkdir(parents=True, exist_ok=True)
     (output / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    try:
+        if engine == "ray":
+            from framework.data.ray_engine import write_with_ray
+
+            write_with_ray(list(items), encode, output, workers, chunk_bytes)
+        else:
+            write_with_litdata(list(items), encode, output, workers, chunk_bytes)
+    except ConfigError:  # refused before any part was written (no Ray cluster to join)
+        if state == "new":
+            (output / MANIFEST).unlink()
+            if not existed:
+                output.rmdir()
+        raise
+    manifest["complete"] = True
+    write_text_atomic(output / MANIFEST, json.dumps(manifest, indent=1))
+    return True
+
+
+def write_with_litdata(
+    items: list[Any], encode: Callable, output: Path, workers: int, chunk_bytes: int
+) -> None:
+    """The local engine: `litdata.optimize` on `workers` processes of this machine."""
+    import litdata
+
     litdata.optimize(
         fn=encode,
-        inputs=list(items),
+        inputs=items,
         output_dir=str(output),
         num_workers=workers,
         chunk_bytes=chunk_bytes,
@@ -138,11 +191,6 @@ def prepare(
         use_checkpoint=True,
         start_method="fork",
     )
-    manifest["complete"] = True
-    tmp = output / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(output / MANIFEST)
-    return True
 
 
 def is_prepared(path: Path) -> bool:

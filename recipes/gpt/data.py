@@ -139,9 +139,10 @@ class TextDataModule(pl.LightningDataModule):
                 f"[{prefix}.source=DIR]",
             )
 
-    def prepare(self, workers: int) -> bool:
+    def prepare(self, workers: int, engine: str = "local") -> bool:
         """`fw prepare`: the text files of `source` (or the standard library's sources, up to
-        max_bytes) as byte tokens into `prepared`; False when that was already done."""
+        max_bytes) as byte tokens into `prepared`, on `engine` ("local" or "ray"); False when
+        that was already done."""
         from framework.data.prepared import prepare
 
         if self.prepared is None:
@@ -165,6 +166,7 @@ class TextDataModule(pl.LightningDataModule):
             manifest,
             "task.data.prepared",
             self.chunk_bytes,
+            engine,
         )
 
     def setup(self, stage: str | None = None) -> None:
