@@ -48,6 +48,8 @@ def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
             if not value or not Path(value).is_dir():
                 raise ConfigError("--config-dir", value, "not a directory")
             dirs.append(Path(value))
+        elif word.startswith("--") and "=" in word and not word.startswith("--config-dir"):
+            overrides.append(word[2:])  # --KEY=VALUE, as a W&B sweep agent passes `${args}`
         elif word.startswith("-") and not word.startswith("--config-dir"):
             raise ConfigError(
                 "option", word, "unknown option", ["-m", "--multirun", "--config-dir", "--help"]

@@ -137,7 +137,10 @@ def write_config(job: Job) -> Path:
     job.run_dir.mkdir(parents=True, exist_ok=True)
     (job.run_dir / "checkpoints").mkdir(exist_ok=True)
     state = load_run_state(job.run_dir)
-    state.setdefault("run_id", new_run_id())
+    # a W&B sweep agent names the run it starts: a single job takes that id (and so joins the
+    # agent's sweep); the jobs of a multirun get their own
+    agent = os.environ.get("WANDB_RUN_ID") if job.group is None else None
+    state.setdefault("run_id", agent or new_run_id())
     state["group"] = state.get("group") or job.group
     checkpointing.write_json_atomic(job.run_dir / "run.json", state)
     path = job.run_dir / "config.yaml"
