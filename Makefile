@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install run test test-fast lint format bench bench-gpu clean
+.PHONY: install run test test-fast lint format bench bench-gpu docs docs-serve clean
 
 install: $(STAMP)
 
@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,dev,bench,data,ray]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,dev,bench,data,ray,docs]"
 	$(BIN)/pip install -q -c constraints.txt --no-deps "litdata>=0.2.76"
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -c constraints.txt --no-build-isolation "deepspeed>=0.15"
 	@$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), v; print('torch', v)"
@@ -56,5 +56,13 @@ bench: install
 bench-gpu: install
 	$(BIN)/python -m benchmarks.gpu
 
+# The documentation site, strict: a broken link or anchor fails it (mkdocs.yml). Never add -q:
+# mkdocs counts strict mode's warnings only when it logs them, so a quiet build passes anyway.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache *.egg-info
