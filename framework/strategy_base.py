@@ -16,7 +16,8 @@ front of the Lightning class gives that strategy three things the worker relies 
 
 The strategy itself applies `inputs.transforms` (activation checkpointing, compile) to the task's
 blocks at the right point of its setup: after tensor parallelism, before data-parallel wrapping.
-Importing this module imports no torch.
+`Replicated` adds what every strategy that keeps the whole model on each process shares (ddp,
+diloco). Importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -91,3 +92,28 @@ class StrategyBase:
             warned = self.__dict__.setdefault("_data_warned", set())
             dataloader = in_global_order(dataloader, *self.inputs.data_parallel, warned)
         return super().process_dataloader(dataloader)  # type: ignore[misc]
+
+
+class Replicated(StrategyBase):
+    """Every process holds the whole model and optimizer (ddp, diloco): transforms applied before
+    Lightning moves and wraps the task; a checkpoint from another layout taken in, the model
+    state before setup (as Lightning loads a ddp checkpoint), the optimizer state, keyed by
+    parameter name, once the optimizer exists."""
+
+    def setup(self, trainer: Any) -> None:
+        self.inputs.transforms.apply(self.lightning_module)  # type: ignore[attr-defined]
+        super().setup(trainer)  # type: ignore[misc]
+
+    def load_portable(self, state: portable.Portable) -> None:
+        state.rest["state_dict"] = state.model
+        # keyed by name until the optimizer exists
+        state.rest["optimizer_states"] = state.optimizers
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.inputs.move_from is None:
+            return super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        from framework import portable
+
+        names = self.parameter_names()
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):  # type: ignore[attr-defined]
+            optimizer.load_state_dict(portable.indexed_state(optimizer, saved, names))

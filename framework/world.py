@@ -85,3 +85,10 @@ def collective_backend(choice: str | None, world: World) -> str:
             ["gloo", "null"],
         )
     return choice or ("nccl" if world.is_cuda else "gloo")
+
+
+def local_device(world: World):
+    """This process's torch device: its GPU (by local rank) on CUDA, else the CPU."""
+    import torch
+
+    return torch.device("cuda", world.local_rank) if world.is_cuda else torch.device("cpu")

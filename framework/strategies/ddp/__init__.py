@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from framework.config.fields import doc
-from framework.world import World, collective_backend
+from framework.world import World, collective_backend, local_device
 
 BACKENDS = (None, "gloo", "nccl")
 
@@ -55,10 +55,7 @@ def build(cfg: Config, world: World, inputs):
     from framework.strategies.ddp.strategy import PortableDDP, PortableSingleDevice
 
     if world.world_size == 1:
-        import torch
-
-        device = torch.device("cuda", world.local_rank) if world.is_cuda else torch.device("cpu")
-        return PortableSingleDevice(device=device, inputs=inputs)
+        return PortableSingleDevice(device=local_device(world), inputs=inputs)
     backend = collective_backend(cfg.backend, world)
     return PortableDDP(
         inputs=inputs,
