@@ -23,6 +23,10 @@ usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per
        fw prepare [--workers N] [--engine local|ray] [KEY=VALUE ...]
                                                   encode the task's data once (e.g. into
                                                   task.data.prepared), resumable
+       fw sweep --trials N [--study NAME] [--storage URL] KEY=SEARCH ... [KEY=VALUE ...]
+                                                  a search on Optuna, each trial a `fw train`
+                                                  job, e.g. 'task.optimizer.lr=tag(log,
+                                                  interval(1e-4, 1e-2))'; resumable, parallel
        fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]   write one plain state dict
        fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]     draw loss, speed, memory (runs overlaid)
        fw --help | fw train --help
@@ -103,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             from framework.prepare import prepare_command
 
             return prepare_command(rest, parse_args)
+        if command == "sweep":
+            from framework.sweep import sweep_command
+
+            return sweep_command(rest, parse_args)
         if command == "plan":
             from framework.preflight import plan_command
 
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             "command",
             command,
             "unknown command",
-            ["train", "prepare", "check", "plan", "config", "export", "plot"],
+            ["train", "sweep", "prepare", "check", "plan", "config", "export", "plot"],
         )
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")

@@ -229,11 +229,13 @@ def build_plugin(family: str, name: str, entry: DictConfig, ctx: RunContext) -> 
     return plugin.build(typed_config(plugin, entry), ctx)
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when the launching `fw` process dies (even by kill -9).
+def die_with_parent(sig: int | None = None) -> None:
+    """Ask Linux to send `sig` (default SIGKILL) to this process when the process that started
+    it dies (even by kill -9).
 
     The elastic launcher starts each worker in its own session, so without this an orphaned
-    worker would go on training, and writing checkpoints, next to a restarted job.
+    worker would go on training, and writing checkpoints, next to a restarted job. (`fw sweep`
+    asks for SIGTERM for its trials' `fw train`: they checkpoint and stop.)
     """
     if not sys.platform.startswith("linux"):
         return
@@ -242,7 +244,7 @@ def die_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL if sig is None else sig, 0, 0, 0)
     if os.getppid() == 1:  # the parent died before the request took effect
         os._exit(1)
 

@@ -3,8 +3,6 @@ file after the other, cut into blocks (empty files included: they add nothing)."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from framework.data.prepared import TokenBlocks, byte_tokens, fingerprint, prepare, text_files

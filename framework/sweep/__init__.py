@@ -1,0 +1,175 @@
+"""`fw sweep`: a hyperparameter search on Optuna, each trial an ordinary `fw train` job.
+
+    fw sweep 'task.optimizer.lr=tag(log, interval(1e-4, 1e-2))' --trials 20 trainer.devices=2
+
+The search space is written in Hydra's sweep grammar (framework/sweep/space.py); every other
+override goes to each trial as written. Everything is checked before the first trial starts:
+the flags, the `sweep` settings, and the trial config at the lowest and highest point of the
+space (composed and validated as `fw train` would). The study is kept in `--storage` (default:
+`<sweep dir>/optuna.db`, SQLite); the sweep directory is `run.dir` when given, else
+`runs/sweeps/<study>`; the study's name is `--study`, else the sweep directory's name when
+`run.dir` is given, else one derived from the command, so rerunning a command continues its study.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from framework.errors import ConfigError
+
+log = logging.getLogger("framework.sweep")
+
+USAGE = """\
+usage: fw sweep --trials N [--study NAME] [--storage URL] [--config-dir DIR] [sweep=NAME]
+                [sweep.KEY=VALUE ...] KEY=SEARCH ... [KEY=VALUE ...]
+  SEARCH: interval(a, b) | range(a, b[, step]) | choice(x, y, ...) | x,y,... | tag(log, ...)
+  sweep.metric=val/loss sweep.direction=minimize|maximize sweep.sampler=tpe|random
+  sweep.pruner=median|successive_halving|none sweep.seed=N  (see docs/sweeps.md)
+"""
+FLAGS = ("--trials", "--study", "--storage")
+
+
+def sweep_command(args: list[str], parse_args) -> int:
+    """Plan the search, then run trials until the study holds `--trials` of them."""
+    from framework.config.compose import search_dirs
+    from framework.external import job_id
+    from framework.sweep import config as sweep_config
+
+    flags, rest = split_flags(args)
+    multirun, dirs, overrides, want_help = parse_args(rest)
+    if want_help:
+        import sys
+
+        sys.stdout.write(USAGE)
+        return 0
+    if multirun:
+        raise ConfigError("-m", "multirun", "a search is not a grid", hint="Drop -m.")
+    if job_id():
+        raise ConfigError("command", "sweep", "a search cannot run inside a torchrun/SLURM job")
+    trials = trials_flag(flags.get("--trials"))
+    cfg, overrides = sweep_config.load(overrides, search_dirs(dirs))
+    search = plan(cfg, overrides, dirs, trials, flags)
+    return run(search)
+
+
+def split_flags(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """({--trials/--study/--storage: value}, the other words)."""
+    flags, rest = {}, []
+    words = iter(args)
+    for word in words:
+        name, eq, value = word.partition("=")
+        if name in FLAGS:
+            value = value if eq else next(words, None)
+            if value is None or value.startswith("--"):
+                raise ConfigError(name, value, "expects a value", hint=USAGE.splitlines()[0])
+            flags[name] = value
+        else:
+            rest.append(word)
+    return flags, rest
+
+
+def trials_flag(value: str | None) -> int:
+    if value is None:
+        raise ConfigError("--trials", None, "is required: how many trials the study should hold")
+    try:
+        trials = int(value)
+    except ValueError:
+        raise ConfigError("--trials", value, "expects a whole number") from None
+    if trials < 1:
+        raise ConfigError("--trials", trials, "must be at least 1")
+    return trials
+
+
+def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[str, str]):
+    """The Search of this command, once its trials' config composes and validates."""
+    from framework.sweep.space import corners, split_overrides
+    from framework.sweep.study import Search
+
+    written = dict(cfg.params)
+    space, fixed = split_overrides([f"{k}={v}" for k, v in cfg.params.items()] + overrides)
+    written.update({o.partition("=")[0]: o.partition("=")[2] for o in overrides if o not in fixed})
+    if not space:
+        raise ConfigError(
+            "sweep",
+            " ".join(overrides),
+            "nothing to search",
+            hint="Give at least one KEY=interval(a, b), KEY=range(a, b), KEY=choice(x, y) or "
+            "KEY=x,y (or sweep.params in conf/sweep/*.yaml); a grid is `fw train -m`.",
+        )
+    given_dir = next((o for o in fixed if o.lstrip("+").startswith("run.dir=")), None)
+    fixed = [o for o in fixed if o != given_dir]
+    name = flags.get("--study") or study_name(given_dir, fixed, written, cfg)
+    sweep_dir = Path(given_dir.partition("=")[2] if given_dir else f"runs/sweeps/{name}").resolve()
+    storage = flags.get("--storage") or f"sqlite:///{sweep_dir / 'optuna.db'}"
+    if not storage.startswith(("sqlite:", "postgresql", "mysql")):
+        raise ConfigError(
+            "--storage",
+            storage,
+            "not a database URL",
+            ["sqlite:///PATH", "postgresql://...", "mysql://..."],
+        )
+    job = check_trials(fixed, corners(space), dirs, sweep_dir)
+    loggers = {e.kind: (n, e) for n, e in (job.cfg.logger or {}).items() if e is not None}
+    if "csv" not in loggers:
+        raise ConfigError(
+            "logger",
+            ",".join(job.cfg.logger or {}) or "[]",
+            "a search reads each trial's metric from its metrics.csv, written by the csv logger",
+            hint="Keep it: e.g. logger=[csv] or logger=[csv,wandb].",
+        )
+    wandb = loggers.get("wandb")
+    return Search(
+        cfg=cfg,
+        space=space,
+        written=written,
+        fixed=fixed,
+        config_dirs=[Path(d).resolve() for d in dirs],
+        sweep_dir=sweep_dir,
+        study_name=name,
+        storage_url=storage,
+        trials=trials,
+        metrics_file=loggers["csv"][1].filename,
+        wandb_group=wandb is not None and wandb[1].group is None,
+    )
+
+
+def study_name(given_dir: str | None, fixed: list[str], written: dict[str, str], cfg) -> str:
+    """The run directory's name, else `sweep-` and a hash of what defines the search."""
+    if given_dir:
+        return Path(given_dir.partition("=")[2]).resolve().name
+    key = json.dumps([sorted(fixed), sorted(written.items()), cfg.metric, cfg.direction])
+    return "sweep-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def check_trials(fixed: list[str], points: list[list[str]], dirs: list[Path], sweep_dir: Path):
+    """Compose and validate a trial at each corner of the space, as `fw train` would."""
+    from framework.runner import plan as plan_jobs
+
+    jobs = [
+        plan_jobs([*fixed, *p, f"run.dir={sweep_dir / 'check'}"], False, dirs)[0] for p in points
+    ]
+    return jobs[0]
+
+
+def run(search) -> int:
+    """Run the search, then write the table, the best command and the plots."""
+    from framework.sweep import report, study
+
+    log.info(
+        "Study %s (%s, %d trials) in %s; rerun this command to continue it.",
+        search.study_name,
+        search.storage_url,
+        search.trials,
+        search.sweep_dir,
+    )
+    ran = study.run(search)
+    log.info("This process ran trials %s.", ", ".join(map(str, ran)) or "(none)")
+    opened = study.open_study(search)
+    text = report.summary(opened, search.fixed, list(search.space), search.cfg.metric)
+    for line in text.rstrip().splitlines():
+        log.info("%s", line)
+    report.write(opened, search.sweep_dir, text, search.cfg.metric)
+    return 0
