@@ -426,3 +426,15 @@ class StragglerDigitsTask(DigitsTask):
             while time.perf_counter() < end:
                 pass
         return super().training_step(batch, batch_idx)
+
+
+class ParametersAtTrainEnd(pl.Callback):
+    """Every rank writes the parameters as it sees them when training ends to
+    `out`/params-rank{r}.pt."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        seen = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        torch.save(seen, os.path.join(self.out, f"params-rank{trainer.global_rank}.pt"))

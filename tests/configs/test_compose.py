@@ -11,8 +11,12 @@ from framework.config.validate import validate
 from framework.errors import ConfigError
 
 OPTIONS = [(g, o) for g in GROUPS for o in group_options(g) if not (g == "logger" and o == "none")]
-# Options that need more than the default single process (fsdp_tp: fsdp x tp=2).
-NEEDS = {("strategy", "fsdp_tp"): ["trainer.devices=2"]}
+# Options that need more than the defaults: fsdp_tp (fsdp x tp=2) two processes, hogwild the CPU
+# (accelerator auto is CUDA where a GPU is present).
+NEEDS = {
+    ("strategy", "fsdp_tp"): ["trainer.devices=2"],
+    ("strategy", "hogwild"): ["trainer.accelerator=cpu"],
+}
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
