@@ -93,10 +93,30 @@ def fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+@contextlib.contextmanager
+def copyable_fakes():
+    """`copy.deepcopy` of a fake tensor gives a fake clone while the task is built. Tensor's own
+    deepcopy rebuilds the storage on the tensor's device, which a fake tensor (backed by meta)
+    refuses; metrics deepcopy their default states when built (torchmetrics' `add_state`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    own = FakeTensor.__dict__.get("__deepcopy__")
+    FakeTensor.__deepcopy__ = lambda self, memo: (
+        self.detach().clone().requires_grad_(self.requires_grad)
+    )
+    try:
+        yield
+    finally:
+        if own is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = own
+
+
 def build_fake_task(task_cfg: DictConfig, mode, precision: str):
     from framework.worker import build_task
 
-    with mode:
+    with mode, copyable_fakes():
         task = build_task(task_cfg)
         if precision in ("bf16-true", "16-true", "64-true"):
             task = task.to(

@@ -130,6 +130,14 @@ def test_a_job_that_does_not_fit_the_gpu_exits_2_after_the_table(capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_task_whose_metrics_copy_their_state_is_checked(capsys):
+    """The digits recipe (the default task) builds torchmetrics metrics, which deepcopy their
+    default state tensors: under the fake tensors of `fw check` that must work as in training."""
+    code, out, err = run_cli(["check", "task=digits", "trainer.devices=2"], capsys)
+    assert code == 0, err
+    assert "ddp x 2, 2 processes" in out and "every rank" in out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
