@@ -20,19 +20,11 @@ DETERMINISTIC = [
 ]
 
 
-def test_two_processes_reproduce_one_process_with_the_global_batch(workdir):
-    one = fw(
-        "train",
-        "task.data.batch_size=64",
-        "trainer.max_steps=20",
-        *DETERMINISTIC,
-        f"run.dir={workdir}/one",
-        cwd=workdir,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
+def test_two_processes_reproduce_one_process_with_the_global_batch(one_process, workdir):
+    """Against the one-process digits run with batch 32 (tests/distributed/conftest.py)."""
     two = fw(
         "train",
-        "task.data.batch_size=32",
+        "task.data.batch_size=16",
         "trainer.devices=2",
         "trainer.max_steps=20",
         *DETERMINISTIC,
@@ -40,7 +32,7 @@ def test_two_processes_reproduce_one_process_with_the_global_batch(workdir):
         cwd=workdir,
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = losses(workdir / "one"), losses(workdir / "two")
+    a, b = one_process["digits"], losses(workdir / "two")
     assert sorted(a) == list(range(20)) and sorted(b) == list(range(20))
     for step in range(20):
         assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])

@@ -7,6 +7,7 @@ strategies; the all-to-all traffic is the formula's."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -62,6 +63,12 @@ def one_process(tmp_path_factory):
     return root / "run"
 
 
+@pytest.fixture(scope="module")
+def one_process_bias(one_process):
+    """The expert biases of the one-process run, exported once."""
+    return expert_bias(one_process)
+
+
 def test_an_expert_parallel_layer_equals_the_whole_layer(tmp_path):
     script = REPO / "tests" / "distributed" / "scripts" / "moe_layer_check.py"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -111,7 +118,9 @@ SHAPES = ["+callbacks.shapes._target_=tests.tasks.LocalShapes", "+callbacks.shap
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_expert_parallel_layouts_route_and_train_as_one_process(layout, one_process, workdir):
+def test_expert_parallel_layouts_route_and_train_as_one_process(
+    layout, one_process, one_process_bias, workdir
+):
     train(*LAYOUTS[layout], *GRADS, *SHAPES, "run.dir=run", cwd=workdir)
     shapes = json.loads((workdir / "shapes-rank0.json").read_text())
     assert shapes["model.blocks.0.moe.experts.w1"] == [LOCAL_EXPERTS[layout], 64, 64]
@@ -125,8 +134,8 @@ def test_expert_parallel_layouts_route_and_train_as_one_process(layout, one_proc
     a, b = losses(workdir / "run"), losses(one_process)
     assert sorted(a) == sorted(b) and all(abs(a[s] - b[s]) <= 1e-5 for s in b), (a, b)
     bias = expert_bias(workdir / "run")
-    assert bias.keys() == expert_bias(one_process).keys()
-    assert all(torch.equal(v, expert_bias(one_process)[k]) for k, v in bias.items())
+    assert bias.keys() == one_process_bias.keys()
+    assert all(torch.equal(v, one_process_bias[k]) for k, v in bias.items())
     assert any(v.abs().sum() > 0 for v in bias.values()), "the bias moved"
 
 
@@ -138,34 +147,39 @@ def test_expert_parallel_layouts_route_and_train_as_one_process(layout, one_proc
     ],
     ids=["accumulate-2", "full-checkpointing"],
 )
-def test_the_bias_moves_once_per_optimizer_step(args, one_process, workdir):
+def test_the_bias_moves_once_per_optimizer_step(args, one_process, one_process_bias, workdir):
     """Counts neither split by accumulation nor doubled by the recompute in backward."""
     train("strategy=ddp", "trainer.devices=1", *args, "run.dir=run", cwd=workdir)
     assert routing(workdir / "run") == routing(one_process)
-    bias, want = expert_bias(workdir / "run"), expert_bias(one_process)
+    bias, want = expert_bias(workdir / "run"), one_process_bias
     assert all(torch.equal(v, want[k]) for k, v in bias.items())
 
 
-MOVES = {
-    "ep2-to-one-process": (
-        LAYOUTS["ep2"],
-        ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
-    ),
-    "one-process-to-ep2": (
-        ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
-        LAYOUTS["ep2"],
-    ),
-}
+ONE = ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"]
+MOVES = {"ep2-to-one-process": 20, "one-process-to-ep2": 14}  # the step each move trains to
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory):
+    """One run that moves from one process into ep = 2 at step 7 and back at step 14; per move,
+    what it printed and the run directory as it left it."""
+    root = tmp_path_factory.mktemp("moved")
+    every = "callbacks.checkpoint.every_n_steps=7"
+    train(*ONE, every, "trainer.max_steps=7", "run.dir=run", cwd=root)
+    done = {}
+    for move, layout in (("one-process-to-ep2", LAYOUTS["ep2"]), ("ep2-to-one-process", ONE)):
+        err = train(*layout, every, f"trainer.max_steps={MOVES[move]}", "run.dir=run", cwd=root)
+        shutil.copytree(root / "run", root / move, symlinks=True)
+        done[move] = (err, root / move)
+    return done
 
 
 @pytest.mark.parametrize("move", list(MOVES))
-def test_a_checkpoint_moves_between_expert_parallel_degrees(move, one_process, workdir):
-    first, second = MOVES[move]
-    train(*first, "trainer.max_steps=10", "run.dir=run", cwd=workdir)
-    err = train(*second, "run.dir=run", cwd=workdir)
-    assert_resumed(err, workdir / "run", 20, moved=True)
-    a, b = losses(workdir / "run"), losses(one_process)
-    assert all(abs(a[s] - b[s]) <= 1e-5 for s in b), (a, b)
+def test_a_checkpoint_moves_between_expert_parallel_degrees(move, moved, one_process):
+    err, run = moved[move]
+    assert_resumed(err, run, MOVES[move], moved=True)
+    a, b = losses(run), losses(one_process)
+    assert all(abs(a[s] - b[s]) <= 1e-5 for s in a), (a, b)
 
 
 def test_all_to_all_traffic_matches_the_formula(workdir):

@@ -1,15 +1,19 @@
-"""Resuming under another strategy or process count: ddp <-> zero1/2/3 <-> fsdp, 2 <-> 4 processes.
+"""Resuming under another strategy or process count: ddp <-> zero1/2/3 <-> fsdp, 1 <-> 2 <-> 4
+processes.
 
-Every source run trains digits for 5 steps with a global batch of 64 (batch 64/N per process) and
-saves; the move resumes it to step 10 under another layout. The result must be the run that never
-moved: the per-step losses and the final weights of a 10-step ddp run.
+One digits run moves through every kind of partition: each layout of CHAIN trains 4 steps on
+from the checkpoint the layout before it wrote (a global batch of 64: batch 64/N per process),
+and fsdp's checkpoint moves into zero2 on 4 processes as well. The result must be the run that
+never moved: the per-step losses and the weights of a 20-step ddp run at the same step.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,83 +25,95 @@ from framework.strategies import deepspeed
 from tests.conftest import QUIET, assert_resumed, fw, losses
 
 pytestmark = pytest.mark.slow
+LEG = 4  # steps each layout trains, and the checkpoint interval
 COMMON = [
     *QUIET,
     "task=digits",
     "trainer.deterministic=true",
     "trainer.log_every_n_steps=1",
     "logger=[csv]",
-    "callbacks.checkpoint.every_n_steps=5",
+    f"callbacks.checkpoint.every_n_steps={LEG}",
 ]
-# one source per kind of partition: whole (ddp), ZeRO stage 1/2 flat groups, stage 3
-# per-parameter partitions over 4 processes, DTensor shards (fsdp)
-SOURCES = [("ddp", 2), ("zero2", 2), ("zero3", 4), ("fsdp", 2)]
+# one layout per kind of partition: whole (ddp), ZeRO stage 1/2 flat groups, stage 3
+# per-parameter partitions over 4 processes, DTensor shards (fsdp); then whole on 1 process
+CHAIN = [("ddp", 2), ("zero2", 2), ("zero3", 4), ("fsdp", 2), ("ddp", 1)]
+BRANCH = (("fsdp", 2), ("zero2", 4))  # a second move out of fsdp's checkpoint
+MOVES = [*itertools.pairwise(CHAIN), BRANCH]
+STEPS = LEG * len(CHAIN)
+END = {**{layout: LEG * (i + 1) for i, layout in enumerate(CHAIN)}, BRANCH[1]: STEPS}
 
 
-def train(strategy: str, n: int, steps: int, run, cwd) -> str:
+def name(layout: tuple[str, int]) -> str:
+    return f"{layout[0]}-{layout[1]}"
+
+
+def step_dir(run, step: int):
+    return run / "checkpoints" / f"step{step:08d}"
+
+
+def train(layout: tuple[str, int], steps: int, run, cwd, *extra: str) -> str:
+    strategy, n = layout
     args = [f"strategy={strategy}", f"trainer.devices={n}", f"task.data.batch_size={64 // n}"]
-    result = fw("train", *args, *COMMON, f"trainer.max_steps={steps}", f"run.dir={run}", cwd=cwd)
+    args += [*COMMON, *extra, f"trainer.max_steps={steps}", f"run.dir={run}"]
+    result = fw("train", *args, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 10-step ddp reference and a 5-step checkpointed run of every source layout."""
+    """The 20-step ddp reference (every checkpoint kept) and the moved run: `root / name(layout)`
+    is the run directory as `layout` left it, `errs[layout]` what its leg printed."""
     root = tmp_path_factory.mktemp("moves")
-    train("ddp", 2, 10, root / "reference", root)
-    for strategy, n in SOURCES:
-        train(strategy, n, 5, root / f"{strategy}-{n}", root)
-    return root
+    train(("ddp", 2), STEPS, root / "reference", root, f"callbacks.checkpoint.keep_last={STEPS}")
+    errs, run = {}, root / "run"
+    for layout in CHAIN:
+        errs[layout] = train(layout, END[layout], run, root)
+        shutil.copytree(run, root / name(layout), symlinks=True)
+    source, target = BRANCH
+    shutil.copytree(root / name(source), root / name(target), symlinks=True)
+    errs[target] = train(target, END[target], root / name(target), root)
+    return SimpleNamespace(root=root, errs=errs)
 
 
 def test_every_layout_reads_back_as_the_same_full_state(runs):
     """Model and optimizer state merged from any sharding equal ddp's, shapes without padding."""
-    want = portable.read(runs / "ddp-2" / "checkpoints" / "step00000005")
-    for strategy, n in SOURCES[1:]:
-        got = portable.read(runs / f"{strategy}-{n}" / "checkpoints" / "step00000005")
+    for layout in (layout for layout in CHAIN if layout[0] != "ddp"):
+        step = END[layout]
+        want = portable.read(step_dir(runs.root / "reference", step))
+        got = portable.read(step_dir(runs.root / name(layout), step))
         assert got.model.keys() == want.model.keys()
-        for name, tensor in want.model.items():
-            assert got.model[name].shape == tensor.shape, (strategy, n, name)
-            assert torch.allclose(got.model[name], tensor, atol=1e-6), (strategy, n, name)
+        for key, tensor in want.model.items():
+            assert got.model[key].shape == tensor.shape, (layout, key)
+            assert torch.allclose(got.model[key], tensor, atol=1e-6), (layout, key)
         (g,), (w,) = got.optimizers, want.optimizers
         assert g["state"].keys() == w["state"].keys()
-        for name, slots in w["state"].items():
-            assert g["state"][name].keys() == slots.keys()
-            for key, value in slots.items():
-                assert g["state"][name][key].shape == value.shape, (strategy, n, name, key)
-                assert torch.allclose(g["state"][name][key], value, atol=1e-6), (strategy, name)
+        for key, slots in w["state"].items():
+            assert g["state"][key].keys() == slots.keys()
+            for slot, value in slots.items():
+                assert g["state"][key][slot].shape == value.shape, (layout, key, slot)
+                assert torch.allclose(g["state"][key][slot], value, atol=1e-6), (layout, key)
         assert [x["lr"] for x in g["groups"]] == [x["lr"] for x in w["groups"]]
-        assert got.rest["global_step"] == 5
-
-
-MOVES = [
-    (("ddp", 2), ("zero2", 2)),
-    (("zero2", 2), ("zero3", 4)),
-    (("zero3", 4), ("fsdp", 2)),
-    (("fsdp", 2), ("ddp", 1)),
-    (("fsdp", 2), ("zero2", 4)),
-]
+        assert got.rest["global_step"] == step
 
 
 @pytest.mark.parametrize(("source", "target"), MOVES, ids=lambda x: f"{x[0]}x{x[1]}")
-def test_resume_moves_to_another_strategy_and_process_count(source, target, runs, workdir):
-    run = workdir / "run"
-    shutil.copytree(runs / f"{source[0]}-{source[1]}", run, symlinks=True)
-    err = train(target[0], target[1], 10, run, workdir)
-    assert "Moving checkpoint step00000005" in err
-    assert_resumed(err, run, 10, moved=True)
-    got, want = losses(run), losses(runs / "reference")
-    assert sorted(got) == sorted(want) == list(range(10))
-    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
-    moved = consolidated_state(run / "checkpoints" / "step00000010")
-    reference = consolidated_state(runs / "reference" / "checkpoints" / "step00000010")
+def test_resume_moves_to_another_strategy_and_process_count(source, target, runs):
+    run, err, end = runs.root / name(target), runs.errs[target], END[target]
+    assert f"Moving checkpoint step{END[source]:08d}" in err
+    assert_resumed(err, run, end, moved=True)
+    got, want = losses(run), losses(runs.root / "reference")
+    assert sorted(got) == list(range(end)) and sorted(want) == list(range(STEPS))
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
+    moved = consolidated_state(step_dir(run, end))
+    reference = consolidated_state(step_dir(runs.root / "reference", end))
     assert moved.keys() == reference.keys()
     assert all(torch.allclose(moved[k], reference[k], atol=1e-5) for k in reference)
 
 
-def test_gpt_moves_through_three_layouts_and_stays_on_the_ddp_trajectory(workdir):
-    """Two param groups, tied embedding/head and a warm-up schedule survive ddp -> zero3 -> fsdp."""
+def test_gpt_moves_through_three_layouts_and_stays_on_the_ddp_trajectory(one_process, workdir):
+    """Two param groups, tied embedding/head and a warm-up schedule survive ddp -> zero3 -> fsdp:
+    the losses stay those of the one-process ddp run gpt16 (tests/distributed/conftest.py)."""
     gpt = [
         *QUIET,
         "experiment=gpt_tiny",
@@ -108,15 +124,13 @@ def test_gpt_moves_through_three_layouts_and_stays_on_the_ddp_trajectory(workdir
         "logger=[csv]",
         "callbacks.checkpoint.every_n_steps=7",
     ]
-    ref = fw("train", "strategy=ddp", "trainer.devices=2", *gpt, "run.dir=ref", cwd=workdir)
-    assert ref.returncode == 0, ref.stderr[-3000:]
     for strategy, n, steps in (("ddp", 2, 7), ("zero3", 4, 14), ("fsdp", 2, 20)):
         args = [f"strategy={strategy}", f"trainer.devices={n}", f"task.data.batch_size={16 // n}"]
         moved = fw("train", *args, *gpt, f"trainer.max_steps={steps}", "run.dir=run", cwd=workdir)
         assert moved.returncode == 0, moved.stderr[-3000:]
         if steps > 7:
             assert_resumed(moved.stderr, workdir / "run", steps, moved=True)
-    got, want = losses(workdir / "run"), losses(workdir / "ref")
+    got, want = losses(workdir / "run"), one_process["gpt16"]
     assert sorted(got) == sorted(want) and len(got) == 20
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
 
@@ -124,16 +138,16 @@ def test_gpt_moves_through_three_layouts_and_stays_on_the_ddp_trajectory(workdir
 def test_impossible_moves_are_refused_before_launch(runs, workdir):
     # into NVMe offload: checked before launch (here in-process: on machines without libaio
     # `fw train` refuses NVMe offload itself, earlier, with another message)
-    ckpt = runs / "zero2-2" / "checkpoints" / "step00000005"
+    ckpt = step_dir(runs.root / "zero2-2", END[("zero2", 2)])
     nvme = functools.partial(deepspeed.check_move, deepspeed.Config(offload_optimizer="nvme"))
     with pytest.raises(ConfigError, match="cannot be filled from another layout"):
         resume.check_layout(ckpt, "deepspeed", 4, nvme)
     resume.check_layout(ckpt, "deepspeed", 2, nvme)  # same layout: loads as it is
     # a ddp checkpoint from before parameter names were recorded
     old = workdir / "old"
-    shutil.copytree(runs / "ddp-2", old, symlinks=True)
+    shutil.copytree(runs.root / "ddp-2", old, symlinks=True)
     config = (old / "config.yaml").read_text()
-    meta_path = old / "checkpoints" / "step00000005" / "meta.json"
+    meta_path = step_dir(old, END[("ddp", 2)]) / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta.pop("parameter_names")
     meta_path.write_text(json.dumps(meta))

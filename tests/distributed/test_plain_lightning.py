@@ -44,10 +44,28 @@ def close(got: dict[int, float], want: dict[int, float]) -> bool:
     return sorted(got) == sorted(want) and all(abs(got[s] - want[s]) <= 1e-5 for s in want)
 
 
-def test_two_processes_with_half_the_batch_reproduce_one_process(one_process, workdir):
-    args = ["trainer.devices=2", "task.data.batch_size=32", f"trainer.max_steps={STEPS}"]
-    train(*args, "run.dir=global", cwd=workdir)
-    assert close(losses(workdir / "global"), one_process)
+# 2 processes with half the batch, steps slowed (0.05 s) so that a test can kill a run mid-way
+TWO = [
+    "task._target_=tests.tasks.SlowPlainDigits",
+    "trainer.devices=2",
+    "task.data.batch_size=32",
+    f"trainer.max_steps={STEPS}",
+    "callbacks.checkpoint.every_n_steps=5",
+]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """TWO, uninterrupted: compared with one process, and the reference of the kill test."""
+    root = tmp_path_factory.mktemp("plain_two")
+    train(*TWO, "run.dir=run", cwd=root)
+    return root / "run"
+
+
+def test_two_processes_with_half_the_batch_reproduce_one_process(
+    one_process, two_processes, workdir
+):
+    assert close(losses(two_processes), one_process)
     # the same loaders left to Lightning (task.data_order=keep) differ between 1 and 2
     # processes (a RandomSampler, then Lightning's DistributedSampler): the order is what differs
     keep = ["task.data_order=keep", f"trainer.max_steps={STEPS}"]
@@ -56,21 +74,11 @@ def test_two_processes_with_half_the_batch_reproduce_one_process(one_process, wo
     assert not close(losses(workdir / "keep1"), losses(workdir / "keep2"))
 
 
-@pytest.mark.parametrize("devices", [2])  # one process: the same sampler, fewer ranks
-def test_kill_9_then_restart_is_exact_for_a_plain_loader(devices, workdir):
-    args = [
-        *PLAIN,
-        "task._target_=tests.tasks.SlowPlainDigits",
-        f"trainer.devices={devices}",
-        f"task.data.batch_size={64 // devices}",
-        f"trainer.max_steps={STEPS}",
-        "callbacks.checkpoint.every_n_steps=5",
-    ]
-    reference = fw("train", *args, "run.dir=reference", cwd=workdir)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    err = kill_then_restart(args, workdir / "run", 12, workdir)
+def test_kill_9_then_restart_is_exact_for_a_plain_loader(two_processes, workdir):
+    # 2 processes (one process: the same sampler, fewer ranks)
+    err = kill_then_restart([*PLAIN, *TWO], workdir / "run", 12, workdir)
     assert "Resuming from" in err and "could not be restored" not in err
-    got, want = metric_rows(workdir / "run"), metric_rows(workdir / "reference")
+    got, want = metric_rows(workdir / "run"), metric_rows(two_processes)
     assert [s for s, _ in got] == list(range(STEPS)), "each step exactly once"
     assert got == want, "bitwise the uninterrupted run's losses"
 

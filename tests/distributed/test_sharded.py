@@ -25,17 +25,33 @@ DIGITS = ["task=digits", "task.data.batch_size=32", "trainer.max_steps=20"]
 GPT = ["experiment=gpt_tiny", "trainer.val_check_interval=20", "task.scheduler.name=constant"]
 
 
-SAVED = ("ddp", "zero3", "fsdp")  # digits runs kept with their checkpoints (for export too)
+# digits runs kept with their checkpoints (for export too) and what each rank held (ShardCounter);
+# zero3 partitions every parameter (by default it keeps those under 1e5 elements whole: all of
+# digits' and gpt_tiny's)
+SAVED = {
+    "ddp": [],
+    "zero1": [],
+    "zero2": [],
+    "zero3": ["strategy.param_persistence_threshold=0"],
+    "fsdp": [],
+}
 
 
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory):
-    """digits on 2 processes, 20 steps, checkpointed at the end, under ddp, zero3 and fsdp."""
+    """digits on 2 processes, 20 steps, checkpointed at the end, under each strategy of SAVED;
+    `<strategy>-shards/shards-rank<r>.json`: the elements rank r held at step 2."""
     root = tmp_path_factory.mktemp("digits")
     with_checkpoints = [a for a in PARITY if a != "callbacks=none"]
-    for strategy in SAVED:
+    for strategy, extra in SAVED.items():
+        (root / f"{strategy}-shards").mkdir()
+        shards = [
+            "+callbacks.shards._target_=tests.tasks.ShardCounter",
+            f"+callbacks.shards.out={root / f'{strategy}-shards'}",
+        ]
         run = root / strategy
-        result = fw("train", f"strategy={strategy}", *DIGITS, *with_checkpoints, f"run.dir={run}")
+        args = [f"strategy={strategy}", *extra, *DIGITS, *with_checkpoints, *shards]
+        result = fw("train", *args, f"run.dir={run}")
         assert result.returncode == 0, result.stderr[-3000:]
     return root
 
@@ -46,8 +62,7 @@ def ddp_losses(digits_runs, one_process):
 
 
 @pytest.mark.parametrize(
-    "strategy",
-    ["zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp"],  # zero1: on gpt
+    "strategy", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "fsdp"]
 )
 def test_sharded_reproduces_ddp_on_digits(strategy, ddp_losses, digits_runs, workdir):
     run = digits_runs / strategy
@@ -69,37 +84,20 @@ def test_sharded_reproduces_ddp_on_gpt(strategy, ddp_losses, workdir):
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
 
 
-def shard_counts(strategy: str, workdir) -> list[dict]:
-    extra = ["strategy.param_persistence_threshold=0"] if strategy.startswith("zero3") else []
-    result = fw(
-        "train",
-        f"strategy={strategy}",
-        *extra,
-        "trainer.devices=2",
-        "trainer.max_steps=3",
-        *QUIET,
-        "callbacks=none",
-        "logger=[csv]",
-        "+callbacks.shards._target_=tests.tasks.ShardCounter",
-        f"+callbacks.shards.out={workdir}",
-        "run.dir=run",
-        cwd=workdir,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads((workdir / f"shards-rank{r}.json").read_text()) for r in (0, 1)]
+def shard_counts(digits_runs, strategy: str) -> list[dict]:
+    out = digits_runs / f"{strategy}-shards"
+    return [json.loads((out / f"shards-rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def near(value: int, target: float) -> bool:
     return abs(value - target) <= 0.02 * target
 
 
-def test_state_is_really_sharded(workdir):
-    (workdir / "ddp").mkdir()
-    full = shard_counts("ddp", workdir / "ddp")[0]
+def test_state_is_really_sharded(digits_runs):
+    full = shard_counts(digits_runs, "ddp")[0]
     assert full["optimizer"] == 2 * full["full"] and full["grads"] == full["full"]
     for strategy in ("zero1", "zero2", "zero3", "fsdp"):
-        (workdir / strategy).mkdir()
-        for rank in shard_counts(strategy, workdir / strategy):
+        for rank in shard_counts(digits_runs, strategy):
             assert near(rank["optimizer"], full["optimizer"] / 2), (strategy, rank)
             if strategy != "zero1":
                 assert near(rank["grads"], full["grads"] / 2), (strategy, rank)
@@ -157,7 +155,7 @@ def test_async_saves_equal_sync_saves_and_a_kill_mid_write_resumes_from_the_one_
 
 
 def test_export_of_sharded_checkpoints_equals_the_ddp_model(digits_runs, workdir):
-    for strategy in SAVED:
+    for strategy in ("ddp", "zero3", "fsdp"):
         exported = fw("export", str(digits_runs / strategy), f"{strategy}.pt", cwd=workdir)
         assert exported.returncode == 0, exported.stderr[-3000:]
     a = torch.load(workdir / "ddp.pt", weights_only=True)
@@ -214,7 +212,9 @@ def test_fsdp_with_named_units_reproduces_ddp_on_gpt(ddp_losses, workdir):
     )
 
 
-def test_fsdp_settings_mean_the_same_as_the_preset_or_as_degrees(ddp_losses, workdir):
+def test_fsdp_settings_mean_the_same_as_the_preset_or_as_degrees(
+    ddp_losses, workdir, monkeypatch, capsys
+):
     """strategy=fsdp and degrees written out are one layout with one FSDP applier: mixed
     precision gives the same (bf16) losses both ways, and differs from fp32 ddp."""
     mixed = ["strategy.param_dtype=bfloat16", "strategy.reduce_dtype=float32"]
@@ -228,11 +228,11 @@ def test_fsdp_settings_mean_the_same_as_the_preset_or_as_degrees(ddp_losses, wor
     got, want = losses(workdir / "preset"), losses(workdir / "degrees")
     assert got == want and len(got) == 20
     assert any(abs(got[s] - ddp_losses["digits"][s]) > 1e-4 for s in got), "bf16 was applied"
+    (workdir / "refused").mkdir()
     for spelled in spellings.values():
-        refused = fw(
-            "train", *spelled, "strategy.cpu_offload=true", "trainer.devices=2", cwd=workdir
-        )
-        assert refused.returncode == 2 and "needs the job to run on CUDA" in refused.stderr
+        offload = [*spelled, "strategy.cpu_offload=true", "trainer.devices=2"]
+        err = refused(offload, workdir / "refused", monkeypatch, capsys)
+        assert "needs the job to run on CUDA" in err
 
 
 def test_nvme_offload_matches_ddp_or_is_refused_before_launch_without_libaio(ddp_losses, workdir):

@@ -41,51 +41,66 @@ def assert_same(run, want) -> None:
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
 
 
-@pytest.mark.parametrize(
-    ("args", "reference"),
-    [
-        (["strategy=tensor", "trainer.devices=2", "task.data.batch_size=8"], "gpt8"),
-        # plain fsdp2xtp2 and dp2xtp2: covered by their -sp and -ac variants below
-        (
-            ["strategy=tensor", "strategy.sequence_parallel=true", "trainer.devices=2"],
-            "gpt8",
-        ),
-        (
-            ["strategy=fsdp_tp", "strategy.sequence_parallel=true", "trainer.devices=4"],
-            "gpt16",
-        ),
-        (["strategy=tensor", "strategy.loss_parallel=false", "trainer.devices=2"], "gpt8"),
-        (
-            [
-                "strategy=tensor",
-                "strategy.dp=2",
-                "strategy.tp=2",
-                "strategy.sequence_parallel=true",
-                "trainer.activation_checkpointing=selective",
-                "trainer.devices=4",
-            ],
-            "gpt16",
-        ),
-        (
-            ["strategy=fsdp_tp", "trainer.activation_checkpointing=full", "trainer.devices=4"],
-            "gpt16",
-        ),
-    ],
-    ids=[
-        "tp2",
-        "tp2-sp",
-        "fsdp2xtp2-sp",
-        "tp2-gathered-logits",
-        "dp2xtp2-sp-selective-ac",
-        "fsdp2xtp2-full-ac",
-    ],
-)
-def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(args, reference, single, workdir):
-    speed = ["+callbacks.throughput.kind=throughput"]
-    train(*args, *GPT, "callbacks=none", *speed, "run.dir=run", cwd=workdir)
-    assert_same(workdir / "run", single[reference])
+# CommCounter writes a run's collectives of step 2 next to it (comm.json): the tests of the
+# collectives below read those of these layouts' runs, one run for both kinds of assertion
+COUNTER = ["+callbacks.comm._target_=framework.debug.CommCounter", "+callbacks.comm.out=OUT"]
+LAYOUTS = {
+    "tp2": (["strategy=tensor", "trainer.devices=2", "task.data.batch_size=8", *COUNTER], "gpt8"),
+    # plain fsdp2xtp2 and dp2xtp2: covered by their -sp and -ac variants below
+    "tp2-sp": (
+        ["strategy=tensor", "strategy.sequence_parallel=true", "trainer.devices=2", *COUNTER],
+        "gpt8",
+    ),
+    "fsdp2xtp2-sp": (
+        ["strategy=fsdp_tp", "strategy.sequence_parallel=true", "trainer.devices=4"],
+        "gpt16",
+    ),
+    "tp2-gathered-logits": (
+        ["strategy=tensor", "strategy.loss_parallel=false", "trainer.devices=2", *COUNTER],
+        "gpt8",
+    ),
+    "dp2xtp2-sp-selective-ac": (
+        [
+            "strategy=tensor",
+            "strategy.dp=2",
+            "strategy.tp=2",
+            "strategy.sequence_parallel=true",
+            "trainer.activation_checkpointing=selective",
+            "trainer.devices=4",
+        ],
+        "gpt16",
+    ),
+    "fsdp2xtp2-full-ac": (
+        ["strategy=fsdp_tp", "trainer.activation_checkpointing=full", "trainer.devices=4"],
+        "gpt16",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """The run directory of a layout of LAYOUTS on gpt_tiny (20 steps, speed measured),
+    trained once, on first use."""
+    done = {}
+
+    def run(name: str):
+        if name not in done:
+            cwd = tmp_path_factory.mktemp(name)
+            args = [a.replace("OUT", str(cwd)) for a in LAYOUTS[name][0]]
+            speed = ["+callbacks.throughput.kind=throughput"]
+            train(*args, *GPT, "callbacks=none", *speed, "run.dir=run", cwd=cwd)
+            done[name] = cwd / "run"
+        return done[name]
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(name, layouts, single):
+    (args, reference), run = LAYOUTS[name], layouts(name)
+    assert_same(run, single[reference])
     # samples per step = the global batch: tensor-parallel ranks share theirs, not add to it
-    rows = [r for r in read_metrics(workdir / "run") if r.get("perf/samples_per_sec")]
+    rows = [r for r in read_metrics(run) if r.get("perf/samples_per_sec")]
     assert rows, "throughput was logged"
     for row in rows:
         ratio = float(row["perf/samples_per_sec"]) / float(row["perf/steps_per_sec"])
@@ -94,7 +109,7 @@ def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(args, reference, s
     # forward of activation checkpointing counts too, so those layouts are left out here)
     if not any("activation_checkpointing" in a for a in args):
         devices = int(next(a for a in args if a.startswith("trainer.devices=")).split("=")[1])
-        (ours,), (whole,) = flops(workdir / "run"), flops(single["root"] / reference)
+        (ours,), (whole,) = flops(run), flops(single["root"] / reference)
         assert ours == pytest.approx(whole / devices, rel=0.02)
 
 
@@ -104,17 +119,19 @@ def flops(run) -> set[float]:
     }
 
 
+def counted(run) -> dict:
+    """The collectives of step 2 that CommCounter wrote next to `run`."""
+    return json.loads((run.parent / "comm.json").read_text())
+
+
 def comm_counts(workdir, *args: str) -> dict:
-    counter = [
-        "+callbacks.comm._target_=framework.debug.CommCounter",
-        f"+callbacks.comm.out={workdir}",
-    ]
+    counter = [a.replace("OUT", str(workdir)) for a in COUNTER]
     train(*args, "trainer.max_steps=3", "callbacks=none", *counter, "run.dir=run", cwd=workdir)
-    return json.loads((workdir / "comm.json").read_text())
+    return counted(workdir / "run")
 
 
-def test_each_transformer_block_costs_two_all_reduces_forward_and_two_backward(workdir):
-    counts = comm_counts(workdir, "strategy=tensor", "trainer.devices=2", *GPT)
+def test_each_transformer_block_costs_two_all_reduces_forward_and_two_backward(layouts):
+    counts = counted(layouts("tp2"))
     blocks = [k for k in counts if k.startswith("GPTTask.model.blocks.") and k.count(".") == 3]
     assert len(blocks) == 2  # gpt_tiny has 2 layers
     for block in blocks:
@@ -123,20 +140,12 @@ def test_each_transformer_block_costs_two_all_reduces_forward_and_two_backward(w
     # (loss_parallel): the head gathers nothing, the loss all-reduces per-token statistics only
     assert counts["GPTTask.model.tok"]["forward"] == {"all_reduce": 1}
     assert counts["GPTTask.model.head"]["forward"] == {}
-    (workdir / "comm.json").unlink()
-    gathered = comm_counts(
-        workdir / "run",
-        "strategy=tensor",
-        "strategy.loss_parallel=false",
-        "trainer.devices=2",
-        *GPT,
-    )
+    gathered = counted(layouts("tp2-gathered-logits"))
     assert gathered["GPTTask.model.head"]["forward"] == {"all_gather_into_tensor": 1}
 
 
-def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(workdir):
-    sp = ["strategy=tensor", "strategy.sequence_parallel=true", "trainer.devices=2", *GPT]
-    counts = comm_counts(workdir, *sp)
+def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(layouts):
+    counts = counted(layouts("tp2-sp"))
     same_bytes = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     for block in ("GPTTask.model.blocks.0", "GPTTask.model.blocks.1"):
         assert counts[block] == {"forward": same_bytes, "backward": same_bytes}
@@ -203,9 +212,10 @@ def test_full_checkpointing_recomputes_collectives_and_selective_keeps_them(work
 def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, workdir):
     plan = "strategy.tp_plan=[net.0:colwise,net.3:rowwise]"
     args = ["strategy=tensor", plan, "trainer.devices=2", "task.data.batch_size=32"]
-    train(*args, *DIGITS, "callbacks=none", "run.dir=run", cwd=workdir)
+    counter = [a.replace("OUT", str(workdir)) for a in COUNTER]
+    train(*args, *DIGITS, "callbacks=none", *counter, "run.dir=run", cwd=workdir)
     assert_same(workdir / "run", single["digits"])
-    counts = comm_counts(workdir / "run", *args, "task=digits")
+    counts = counted(workdir / "run")
     assert counts["DigitsTask.net.3"]["forward"] == {"all_reduce": 1}, "the plan was applied"
 
 
@@ -222,34 +232,42 @@ def tp2(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize(
-    ("first", "second"),
-    [
-        (
-            ["strategy=tensor", "trainer.devices=2", "task.data.batch_size=16"],
-            ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
-        ),
-        (
-            ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"],
-            ["strategy=fsdp_tp", "trainer.devices=4", "task.data.batch_size=8"],
-        ),
-        # out of a 2-D mesh: test_moe.py's ep2-to-one-process and test_moves.py's fsdp moves
-        (
-            ["strategy=tensor", "trainer.devices=2", "task.data.batch_size=16"],
-            ["strategy=tensor", "trainer.devices=2", "task.data.batch_size=16"],
-        ),
-    ],
-    ids=["tp2-to-one-process", "one-process-to-fsdp2xtp2", "tp2-to-tp2"],
-)
-def test_resume_into_another_layout_continues_the_same_run(first, second, single, tp2, workdir):
-    save = ["callbacks.checkpoint.every_n_steps=10"]
-    if first == TP2:
-        shutil.copytree(tp2, workdir / "run", symlinks=True)
-    else:
-        train(*first, *GPT, *save, "trainer.max_steps=10", "run.dir=run", cwd=workdir)
-    err = train(*second, *GPT, *save, "trainer.max_steps=20", "run.dir=run", cwd=workdir)
-    assert_resumed(err, workdir / "run", 20, moved=first != second)
-    assert_same(workdir / "run", single["gpt16"])
+ONE = ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"]
+FSDP2XTP2 = ["strategy=fsdp_tp", "trainer.devices=4", "task.data.batch_size=8"]
+# each move continues tp2's run: (the layout it continues in, the step it trains to); the first
+# two are one run, tp2 -> one process -> fsdp2xtp2; out of a 2-D mesh: test_moe.py's
+# ep2-to-one-process and test_moves.py's fsdp moves
+MOVES = {
+    "tp2-to-one-process": (ONE, 15),
+    "one-process-to-fsdp2xtp2": (FSDP2XTP2, 20),
+    "tp2-to-tp2": (TP2, 20),
+}
+
+
+@pytest.fixture(scope="module")
+def moved(tp2, tmp_path_factory):
+    """Per move of MOVES: what it printed, and the run directory as it left it."""
+    root = tmp_path_factory.mktemp("moved")
+    save = ["callbacks.checkpoint.every_n_steps=5"]
+    done = {}
+    for move, (layout, steps) in MOVES.items():
+        run = root / "run"
+        if move != "one-process-to-fsdp2xtp2":  # that one goes on from tp2-to-one-process
+            shutil.rmtree(run, ignore_errors=True)
+            shutil.copytree(tp2, run, symlinks=True)
+        err = train(*layout, *GPT, *save, f"trainer.max_steps={steps}", "run.dir=run", cwd=root)
+        shutil.copytree(run, root / move, symlinks=True)
+        done[move] = (err, root / move)
+    return done
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_resume_into_another_layout_continues_the_same_run(move, moved, single):
+    (err, run), steps = moved[move], MOVES[move][1]
+    assert_resumed(err, run, steps, moved=move != "tp2-to-tp2")
+    got, want = losses(run), single["gpt16"]
+    assert sorted(got) == list(range(steps))
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
 
 
 def test_export_of_a_tensor_parallel_checkpoint_equals_the_one_process_model(single, tp2, workdir):

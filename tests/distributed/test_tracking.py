@@ -209,12 +209,20 @@ def test_resume_refuses_a_different_model_and_lists_harmless_changes(workdir):
     )
 
 
-def test_resume_from_an_explicit_checkpoint_into_a_new_run(workdir):
-    assert fw("train", "trainer.max_steps=4", *QUIET, "run.dir=a", cwd=workdir).returncode == 0
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A 4-step run of the default task that the tests below read and leave as it is."""
+    run = tmp_path_factory.mktemp("four_steps") / "run"
+    result = fw("train", "trainer.max_steps=4", *QUIET, f"run.dir={run}", cwd=run.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def test_resume_from_an_explicit_checkpoint_into_a_new_run(four_steps, workdir):
     b = fw(
         "train",
         "trainer.max_steps=6",
-        f"resume={workdir}/a/checkpoints/last",
+        f"resume={four_steps}/checkpoints/last",
         *QUIET,
         "run.dir=b",
         cwd=workdir,
@@ -225,10 +233,9 @@ def test_resume_from_an_explicit_checkpoint_into_a_new_run(workdir):
     assert '"step": 6' in meta
 
 
-def test_export_gives_a_plain_state_dict(workdir):
-    assert fw("train", "trainer.max_steps=4", *QUIET, "run.dir=run", cwd=workdir).returncode == 0
+def test_export_gives_a_plain_state_dict(four_steps, workdir):
     out = workdir / "model.pt"
-    result = fw("export", str(workdir / "run"), str(out), cwd=workdir)
+    result = fw("export", str(four_steps), str(out), cwd=workdir)
     assert result.returncode == 0, result.stderr
     # loaded by plain torch, in a process that never imports the framework
     code = (
@@ -239,9 +246,9 @@ def test_export_gives_a_plain_state_dict(workdir):
         [sys.executable, "-c", code, str(out)], capture_output=True, text=True, check=True
     )
     assert "net.0.weight" in shown.stdout
-    ckpt = torch.load(workdir / "run" / "checkpoints" / "last" / "state.ckpt", weights_only=True)
+    ckpt = torch.load(four_steps / "checkpoints" / "last" / "state.ckpt", weights_only=True)
     exported = torch.load(out, weights_only=True)
     assert all(torch.equal(exported[k], ckpt["state_dict"][k]) for k in exported)
-    again = fw("export", str(workdir / "run"), str(out), cwd=workdir)
+    again = fw("export", str(four_steps), str(out), cwd=workdir)
     assert again.returncode == 2 and "already exists" in again.stderr
-    assert fw("export", str(workdir / "run"), str(out), "--force", cwd=workdir).returncode == 0
+    assert fw("export", str(four_steps), str(out), "--force", cwd=workdir).returncode == 0

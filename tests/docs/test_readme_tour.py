@@ -34,9 +34,15 @@ def test_the_tour_runs_as_written(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(body)
     script = "set -e\n" + "".join(blocks("bash"))
+    # only `fw` from the venv's bin: with all of it, DeepSpeed would build its ops here with the
+    # venv's `ninja` (1.13) and everywhere else with the system's (1.11), and each switch
+    # rebuilds the cached ops from scratch (about a minute)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fw").symlink_to(Path(sys.executable).parent / "fw")
     env = fw_env()
     env.pop("PYTHONPATH")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     result = subprocess.run(
         ["bash", "-c", script],
         cwd=tmp_path,
