@@ -57,6 +57,7 @@ class Checkpointer(pl.Callback):
         self.data_state: Any = None  # every rank's stateful sampler or dataset position
         self.pending: dict[str, Any] | None = None  # a checkpoint being written in the background
         self.stall = 0.0
+        self.unannounced: list[Any] = []  # committed on rank 0, not yet shown to the loggers
 
     @property
     def state_key(self) -> str:
@@ -134,6 +135,7 @@ class Checkpointer(pl.Callback):
         per_rank = getattr(loader, "batch_size", None) or 0
         self.cursor += per_rank * self.ctx.data_parallel[1]
         step = trainer.global_step
+        self.announce(trainer)  # the previous step's checkpoint, with its validation's metrics
         preempt = self.cfg.on_preemption and self._vote.agreed(
             self.signal_received or 0, trainer.strategy.root_device
         )
@@ -166,10 +168,10 @@ class Checkpointer(pl.Callback):
                 self.ckpt_dir / checkpointing.name_for(self.last_saved), _scalar_metrics(trainer)
             )
             self._prune()
-        if self.cfg.every_n_steps is not None:
-            return
-        if trainer.global_step != self.last_saved and trainer.global_step > 0:
+        step = trainer.global_step
+        if self.cfg.every_n_steps is None and step != self.last_saved and step > 0:
             self.save(trainer)
+        self.announce(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._vote.finish()
@@ -177,6 +179,7 @@ class Checkpointer(pl.Callback):
         if self.cfg.save_on_train_end and step > 0 and step != self.last_saved:
             self.save(trainer)
         self.finish_pending(trainer)  # nothing is left half-written at exit
+        self.announce(trainer)
 
     # ---- saving
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -224,7 +227,7 @@ class Checkpointer(pl.Callback):
                 commit.start()
             return
         if trainer.is_global_zero:
-            self._commit(tmp, meta)
+            self.unannounced.append(self._commit(tmp, meta))
         trainer.strategy.barrier("checkpoint-commit")
 
     def finish_pending(self, trainer: pl.Trainer, wait: bool = True) -> None:
@@ -243,11 +246,13 @@ class Checkpointer(pl.Callback):
         self.pending = None
         if pending["error"] is not None:
             raise pending["error"]
+        if pending.get("path") is not None:
+            self.unannounced.append(pending["path"])
 
     def _commit_when_written(self, future, tmp, meta: dict[str, Any], pending: dict) -> None:
         try:
             future.result()
-            self._commit(tmp, meta)
+            pending["path"] = self._commit(tmp, meta)
         except BaseException as err:  # raised in the training thread by finish_pending
             pending["error"] = err
 
@@ -269,10 +274,28 @@ class Checkpointer(pl.Callback):
             "stall_s": self.stall,
         }
 
-    def _commit(self, tmp, meta: dict[str, Any]) -> None:
+    def _commit(self, tmp, meta: dict[str, Any]):
         path = checkpointing.commit(tmp, meta)
         self._prune()
         log.info("Checkpoint saved: %s", path)
+        return path
+
+    def announce(self, trainer: pl.Trainer) -> None:
+        """Show committed checkpoints to the loggers that upload them (W&B's `log_model`), on
+        rank 0. Held back until the step's validation has run (or the next step begins), so
+        the metrics they carry, and which is best, are that step's."""
+        done, self.unannounced = self.unannounced, []
+        uploaders = [lg for lg in trainer.loggers if hasattr(lg, "log_checkpoint")]
+        if not uploaders or not trainer.is_global_zero:
+            return
+        cfg = self.cfg
+        for path in done:
+            if not path.is_dir():  # pruned already
+                continue
+            best = cfg.monitor and checkpointing.best(self.ckpt_dir, cfg.monitor, cfg.mode)
+            meta = checkpointing.read_meta(path)
+            for logger in uploaders:
+                logger.log_checkpoint(path, meta, bool(best) and best.name == path.name)
 
 
 class PreemptionVote:

@@ -38,6 +38,7 @@ def validate(cfg: DictConfig, here: bool = True) -> World:
     strategy = typed_config(plugin, cfg.strategy, "strategy")
     plugin.validate(strategy, world, JobView(cfg.task, cfg.trainer, model))
     check_async_save(cfg, plugin.checkpoint_format(strategy, world))
+    check_log_model(cfg)
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     if here:
         launcher.validate(typed_config(launcher, cfg.launcher, "launcher"), world)
@@ -58,6 +59,37 @@ def check_async_save(cfg: DictConfig, ckpt_format: str) -> None:
             "saved in the foreground only",
             hint="Use strategy=fsdp|tensor|fsdp_tp|pipeline|expert, or async_save=false.",
         )
+
+
+def check_log_model(cfg: DictConfig) -> None:
+    """A W&B logger that uploads checkpoints needs checkpoints, and `best` needs a ranking."""
+    ckpt = (cfg.get("callbacks") or {}).get("checkpoint")
+    for name, entry in (cfg.get("logger") or {}).items():
+        if not isinstance(entry, DictConfig) or entry.get("kind") != "wandb":
+            continue
+        which = entry.get("log_model", "none")
+        if which == "none":
+            continue
+        if ckpt is None:
+            raise ConfigError(
+                f"logger.{name}.log_model",
+                which,
+                "no checkpoints are saved to upload: callbacks.checkpoint is off",
+                ["none"],
+                near="",
+                hint="Keep the checkpoint callback (it is in the default callbacks), or "
+                f"logger.{name}.log_model=none.",
+            )
+        if which == "best" and not ckpt.get("monitor"):
+            raise ConfigError(
+                f"logger.{name}.log_model",
+                which,
+                "'best' ranks checkpoints by callbacks.checkpoint.monitor, which is not set",
+                ["none", "last", "all"],
+                near="",
+                hint="Name the metric, e.g. callbacks.checkpoint.monitor=val/loss "
+                "(callbacks.checkpoint.mode=min|max).",
+            )
 
 
 def check_fields(node: Any, prefix: str) -> None:

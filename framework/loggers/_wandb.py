@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
@@ -19,11 +21,21 @@ log = logging.getLogger("framework.wandb")
 class RunWandbLogger(WandbLogger):
     """Lightning's WandbLogger that says how to upload an offline run when training ends."""
 
-    def __init__(self, offline_dir: str | None = None, clean=None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        offline_dir: str | None = None,
+        clean=None,
+        log_checkpoints: str = "none",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self._offline_dir = offline_dir
         self._clean = clean or (lambda params: params)
         self._lost: str | None = None  # why W&B stopped taking records, once it did
+        self.log_checkpoints = log_checkpoints  # logger.wandb.log_model: none|last|best|all
+        self.uploaded: dict[int, list[str]] = {}  # step -> aliases, for this job's uploads
+        self._newest: Any = None  # the version `last` uploaded most recently
+        self._pruner: threading.Thread | None = None
 
     def _unless_lost(self, fn, *args: Any) -> None:
         """W&B's service process can die under training (a scheduler signals every process of
@@ -46,7 +58,67 @@ class RunWandbLogger(WandbLogger):
         self._unless_lost(super().log_metrics, metrics, step)
 
     @rank_zero_only
+    def log_checkpoint(self, path: Path, meta: dict[str, Any], best: bool) -> None:
+        """Upload a committed checkpoint as a version of the artifact `model-<run id>`, as
+        `log_model` asks: last (alias latest), best (alias best, only when `best`), all (aliases
+        latest and step-N, plus best). A failed upload is a warning: training goes on."""
+        which, step = self.log_checkpoints, int(meta["step"])
+        if which == "none" or self._lost is not None or step in self.uploaded:
+            return
+        if which == "best" and not best:
+            return
+        aliases = {"last": ["latest"], "best": ["best", f"step-{step}"]}.get(
+            which, ["latest", f"step-{step}"] + (["best"] if best else [])
+        )
+        try:
+            self._upload(path, meta, aliases)
+        except (ConnectionError, BrokenPipeError, EOFError) as err:
+            self._lost = f"{type(err).__name__}: {err}"
+            log.warning("W&B stopped logging (%s); training goes on", self._lost)
+        except Exception as err:  # a full disk, a refused artifact: the checkpoint is still here
+            log.warning("W&B: checkpoint %s was not uploaded (%s)", path, err)
+
+    def _upload(self, path: Path, meta: dict[str, Any], aliases: list[str]) -> None:
+        import wandb
+
+        run = self.experiment
+        keep = ("run_id", "step", "epoch", "metrics", "world_size", "format", "config_hash")
+        artifact = wandb.Artifact(
+            f"model-{run.id}",
+            type="model",
+            metadata={**{k: meta.get(k) for k in keep}, "checkpoint": str(path)},
+        )
+        # Files are copied to W&B's staging area now: pruning may remove the checkpoint before
+        # the upload (or `wandb sync`) reads it.
+        artifact.add_dir(str(path))
+        logged = run.log_artifact(artifact, aliases=aliases)
+        self.uploaded[int(meta["step"])] = aliases
+        log.info(
+            "W&B: checkpoint %s logged as %s (%s)", path.name, artifact.name, ", ".join(aliases)
+        )
+        if self.log_checkpoints == "last" and run.settings.mode == "online":
+            self._supersede(logged)
+
+    def _supersede(self, logged: Any) -> None:
+        """`last` keeps one version per job: once the new one is uploaded, the one it replaces
+        is deleted (online only; offline, every version is recorded and synced)."""
+        previous, self._newest = self._newest, logged
+        if previous is None:
+            return
+        self._wait_pruner()
+        self._pruner = threading.Thread(
+            target=delete_when_uploaded, args=(logged, previous), daemon=True
+        )
+        self._pruner.start()
+
+    def _wait_pruner(self, timeout: float | None = None) -> None:
+        if self._pruner is not None:
+            self._pruner.join(timeout)
+            self._pruner = None
+
+    @rank_zero_only
     def finalize(self, status: str) -> None:
+        self._wait_pruner(timeout=120)
         self._unless_lost(self._finish, status)
         if self._offline_dir:
             log.info(
@@ -59,6 +131,16 @@ class RunWandbLogger(WandbLogger):
         super().finalize(status)
         if self._experiment is not None:  # end the run: the next job here gets its own
             self._experiment.finish(exit_code=0 if status == "success" else 1)
+
+
+def delete_when_uploaded(new: Any, old: Any) -> None:
+    """Delete the version `old` once `new` is on the server (runs in a thread; best effort)."""
+    try:
+        new.wait()
+        old.wait()
+        old.delete(delete_aliases=True)
+    except Exception as err:  # a server hiccup: an extra version stays, nothing is lost
+        log.warning("W&B: the superseded checkpoint version was not deleted (%s)", err)
 
 
 def make_logger(cfg, ctx, mode: str) -> RunWandbLogger:
@@ -78,7 +160,13 @@ def make_logger(cfg, ctx, mode: str) -> RunWandbLogger:
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
     offline = run.settings.mode == "offline" and getattr(run, "dir", None)
     offline_dir = os.path.dirname(run.dir) if offline else None
-    return RunWandbLogger(offline_dir=offline_dir, experiment=run, clean=ctx.clean, **kwargs)
+    return RunWandbLogger(
+        offline_dir=offline_dir,
+        experiment=run,
+        clean=ctx.clean,
+        log_checkpoints=cfg.log_model,
+        **kwargs,
+    )
 
 
 def init_run(cfg, ctx, mode: str):

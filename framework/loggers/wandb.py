@@ -4,7 +4,8 @@ One W&B run per job, created on rank 0 only, with the run id chosen when the run
 made (run.json), so a restarted job logs to the same run (`resume="allow"`). Without an API key
 it logs offline into the run directory and says which command uploads it later; it never
 prompts and never waits on the network for long. The resolved config (secrets redacted) is
-recorded once.
+recorded once. With `log_model`, committed checkpoints become versions of the artifact
+`model-<run id>` (offline: recorded for `wandb sync`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from framework.config.fields import doc
 from framework.errors import ConfigError
 
 MODES = ("auto", "online", "offline", "disabled")
+LOG_MODEL = ("none", "last", "best", "all")
 
 
 @dataclass
@@ -34,6 +36,12 @@ class Config:
     notes: str | None = doc(None, "A longer description of the run.")
     init_timeout: float = doc(
         30.0, "Seconds to wait for the W&B server before going offline.", above=0
+    )
+    log_model: str = doc(
+        "none",
+        "Checkpoints as W&B artifacts, uploaded by rank 0 once committed: last (the newest "
+        "only), best (each new best by callbacks.checkpoint.monitor), all (every one); none: off.",
+        LOG_MODEL,
     )
 
 

@@ -54,6 +54,18 @@ CASES = {
         ["logger.wandb.init_timeout=0"],
         "logger.wandb.init_timeout=0.0: must be greater than 0",
     ),
+    "unknown W&B checkpoint upload": (
+        ["logger.wandb.log_model=true"],
+        "logger.wandb.log_model=True: not a valid choice. Valid choices: none, last, best, all",
+    ),
+    "best checkpoint upload without a metric": (
+        ["logger.wandb.log_model=best"],
+        "logger.wandb.log_model=best: 'best' ranks checkpoints by callbacks.checkpoint.monitor",
+    ),
+    "checkpoint upload without checkpoints": (
+        ["logger.wandb.log_model=last", "~callbacks.checkpoint"],
+        "logger.wandb.log_model=last: no checkpoints are saved to upload",
+    ),
     "zero processes per core": (["launcher.processes_per_core=0"], "launcher.processes_per_core=0"),
     "negative restarts": (["launcher.max_restarts=-1"], "launcher.max_restarts=-1"),
     "async saves of a non-DCP layout": (

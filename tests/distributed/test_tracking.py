@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -69,16 +70,24 @@ def run_fw(args, cwd, env, timeout: float = 300):
 
 
 def test_wandb_offline_one_run_per_job_same_id_after_restart(workdir):
+    """Also `log_model=all`: each committed checkpoint is recorded as a version of
+    `model-<run id>` for `wandb sync`, carrying the run id, its step, and the metrics of the
+    validation at its step (checkpoints every 3 steps are saved before that validation runs)."""
     server = ConnectionCounter()
+    upload = ["logger.wandb.log_model=all", "callbacks.checkpoint.every_n_steps=3"]
+    upload += ["trainer.val_check_interval=3", "run.dir=run", *QUIET]
     try:
         env = wandb_env(server)
-        args = ["trainer.devices=2", "trainer.max_steps=6", *QUIET, "run.dir=run"]
-        first = run_fw(args, workdir, env)
+        env["WANDB_DATA_DIR"] = str(workdir / "wandb-data")
+        first = run_fw(["trainer.devices=2", "trainer.max_steps=6", *upload], workdir, env)
         assert first.returncode == 0, first.stderr[-3000:]
         assert "wandb sync" in first.stderr
-        again = run_fw(
-            ["trainer.devices=2", "trainer.max_steps=12", *QUIET, "run.dir=run"], workdir, env
-        )
+        val_losses = [
+            float(r.split(",")[3])
+            for r in (workdir / "run" / "metrics.csv").read_text().splitlines()[1:]
+            if r.split(",")[3]
+        ]
+        again = run_fw(["trainer.devices=2", "trainer.max_steps=12", *upload], workdir, env)
         assert again.returncode == 0, again.stderr[-3000:]
     finally:
         server.close()
@@ -91,30 +100,46 @@ def test_wandb_offline_one_run_per_job_same_id_after_restart(workdir):
     assert b"recipes.digits.task.DigitsTask" in log and b"max_steps" in log, (
         "the config is recorded"
     )
+    jobs = [records(next(r.glob("run-*.wandb")), "artifact") for r in runs]
+    metas = [[json.loads(a.metadata) for a in job] for job in jobs]
+    assert [[m["step"] for m in job] for job in metas] == [[3, 6], [9, 12]]
+    for job in jobs:
+        assert {a.name for a in job} == {f"model-{run_id}"} and {a.type for a in job} == {"model"}
+        assert all(a.manifest.contents for a in job), "the checkpoint's files are recorded"
+    assert {m["run_id"] for job in metas for m in job} == {run_id}
+    assert [m["metrics"]["val/loss"] for m in metas[0]] == pytest.approx(val_losses)
+    assert [sorted(a.aliases) for a in jobs[1]] == [["latest", "step-9"], ["latest", "step-12"]]
 
 
-def run_record(path):
-    """The run record of an offline W&B run file (a leveldb-style log of protobuf records)."""
+def records(path, kind: str) -> list:
+    """The records of one kind (run, artifact, ...) in an offline W&B run file (a
+    leveldb-style log of protobuf records)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    data, pos, chunk = path.read_bytes(), 7, b""  # after the ':W&B' file header
+    data, pos, chunk, found = path.read_bytes(), 7, b"", []  # after the ':W&B' file header
     block = 32768
     while pos + 7 <= len(data):
         if block - pos % block < 7:
             pos += block - pos % block
             continue
-        _, size, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        _, size, piece = struct.unpack("<IHB", data[pos : pos + 7])
         chunk += data[pos + 7 : pos + 7 + size]
         pos += 7 + size
-        if kind in (1, 4):  # a whole record, or the last piece of one
+        if piece in (1, 4):  # a whole record, or the last piece of one
             record = wandb_internal_pb2.Record()
             record.ParseFromString(chunk)
             chunk = b""
-            if record.WhichOneof("record_type") == "run":
-                return record.run
-    raise AssertionError(f"no run record in {path}")
+            if record.WhichOneof("record_type") == kind:
+                found.append(getattr(record, kind))
+    return found
+
+
+def run_record(path):
+    found = records(path, "run")
+    assert found, f"no run record in {path}"
+    return found[0]
 
 
 def test_online_with_an_unreachable_server_falls_back_to_offline(workdir, tmp_path):
