@@ -285,6 +285,8 @@ class Checkpointer(pl.Callback):
         rank 0. Held back until the step's validation has run (or the next step begins), so
         the metrics they carry, and which is best, are that step's."""
         done, self.unannounced = self.unannounced, []
+        if not done:
+            return
         uploaders = [lg for lg in trainer.loggers if hasattr(lg, "log_checkpoint")]
         if not uploaders or not trainer.is_global_zero:
             return
