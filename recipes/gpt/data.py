@@ -25,16 +25,31 @@ from framework.errors import ConfigError
 
 
 def stdlib_files(max_bytes: int) -> list[Path]:
-    """The standard library's readable .py files in sorted order, until max_bytes are reached."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files, size = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts or not os.access(path, os.R_OK):
-            continue
-        files.append(path)
-        size += path.stat().st_size
-        if size >= max_bytes:
-            break
+    """The standard library's readable .py files in sorted path order (outside `test` and
+    `site-packages`), until max_bytes are reached. The tree is walked in that order and only as
+    far as needed: a sorted walk of the whole library took about 0.5 s per process."""
+    files: list[Path] = []
+    size = 0
+
+    def walk(folder: Path) -> bool:  # True once enough bytes were found
+        nonlocal size
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return False
+        for entry in entries:
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=True) and not entry.is_symlink():
+                if entry.name not in ("test", "site-packages") and walk(path):
+                    return True
+            elif entry.name.endswith(".py") and os.access(path, os.R_OK):
+                files.append(path)
+                size += path.stat().st_size
+                if size >= max_bytes:
+                    return True
+        return False
+
+    walk(Path(sysconfig.get_paths()["stdlib"]))
     return files
 
 
