@@ -48,6 +48,13 @@ class SweepConfig:
         "of trials before it, so resumed and parallel searches draw new values.",
         min=0,
     )
+    heartbeat_s: int = doc(
+        60,
+        "Seconds between a running trial's heartbeats in the study. A trial silent for three of "
+        "them (its sweep process died, on any machine) is marked failed by the next sweep "
+        "process that looks for work.",
+        min=1,
+    )
     params: dict[str, str] = doc(
         {},
         "Search space by config key, in the sweep grammar (e.g. 'tag(log, interval(1e-4, 1e-2))'); "

@@ -21,6 +21,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,12 +57,20 @@ class Search:
     wandb_group: bool  # put every trial's W&B run in the group named after the study
 
 
-def open_storage(url: str) -> Any:
-    """Optuna's database storage for `url` (SQLite waits for a peer's write instead of failing)."""
+def open_storage(url: str, heartbeat_s: int | None = None) -> Any:
+    """Optuna's database storage for `url` (SQLite waits for a peer's write instead of failing).
+    With `heartbeat_s`, a running trial whose heartbeat is older than three intervals is stale."""
     import optuna
 
+    # Heartbeats through ask/tell, not Study.optimize: Optuna warns about it, and about the
+    # feature being experimental, at every trial; the sweep says what happens itself.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
-    return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+    beats = (
+        {"heartbeat_interval": heartbeat_s, "grace_period": 3 * heartbeat_s} if heartbeat_s else {}
+    )
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine, **beats)
 
 
 def open_study(search: Search) -> Any:
@@ -75,7 +85,7 @@ def open_study(search: Search) -> Any:
         with locked(search.sweep_dir):  # two processes creating one SQLite file collide
             study = optuna.create_study(
                 study_name=search.study_name,
-                storage=open_storage(search.storage_url),
+                storage=open_storage(search.storage_url, cfg.heartbeat_s),
                 sampler=sweep_config.sampler(cfg, cfg.seed),
                 pruner=sweep_config.pruner(cfg.pruner, cfg.pruner_args),
                 direction=cfg.direction,
@@ -155,10 +165,22 @@ def next_trial(study: Any, search: Search) -> Any:
 
 
 def fail_orphans(study: Any) -> None:
-    """A trial left running by a sweep process of this machine that is gone (killed, crashed)
-    is marked failed: it is not counted, and the search runs another in its place."""
+    """A trial left running by a sweep process that is gone (killed, crashed) is marked failed:
+    it is not counted, and the search runs another in its place. On this machine the process is
+    looked up; on another, the trial's heartbeat tells (stale after three intervals)."""
+    import optuna
     from optuna.trial import TrialState
 
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    optuna.storages.fail_stale_trials(study)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        if t.number in running:
+            log.warning(
+                "Trial %d sent no heartbeat for three intervals (its sweep process on %s "
+                "stopped): marked failed, not counted; another trial takes its place.",
+                t.number,
+                t.user_attrs.get(HOST, "another machine"),
+            )
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid = t.user_attrs.get(PID)
         if t.user_attrs.get(HOST) != socket.gethostname() or pid is None or alive(pid):
@@ -191,7 +213,8 @@ def run_trial(study: Any, trial: Any, search: Search) -> bool:
     sampled = [override(key, trial.params[key]) for key in search.space]
     log.info("Trial %d: %s", trial.number, " ".join(sampled))
     try:
-        code = train(trial_command(search, trial.number, sampled, run_dir), run_dir / TRIAL_LOG)
+        with heartbeat(study, trial, search.cfg.heartbeat_s):
+            code = train(trial_command(search, trial.number, sampled, run_dir), run_dir / TRIAL_LOG)
     except BaseException:  # interrupted: the trial did not finish (its `fw train` is stopped)
         study.tell(trial.number, state=TrialState.FAIL)
         raise
@@ -222,6 +245,31 @@ def run_trial(study: Any, trial: Any, search: Search) -> bool:
     state = "finished" if math.isfinite(value) else "failed (not a finite value)"
     log.info("Trial %d %s: %s=%.6g", trial.number, state, search.cfg.metric, value)
     return math.isfinite(value)
+
+
+@contextlib.contextmanager
+def heartbeat(study: Any, trial: Any, interval_s: int) -> Iterator[None]:
+    """Record the trial's heartbeat in the study every `interval_s` while it runs, so that sweep
+    processes on other machines can tell it is alive."""
+    storage, trial_id = study._storage, trial._trial_id  # Optuna keeps these two private
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                storage.record_heartbeat(trial_id)
+            except Exception as err:  # a busy or unreachable database: try again next time
+                log.warning("Trial %d: heartbeat not recorded (%s)", trial.number, err)
+            if stop.wait(interval_s):
+                return
+
+    thread = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{trial.number}")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def trial_command(search: Search, number: int, sampled: list[str], run_dir: Path) -> list[str]:
