@@ -47,13 +47,13 @@ class CheckReport:
         return None if self.device_bytes is None else self.worst.total <= self.device_bytes
 
     def table(self) -> str:
-        head = ("rank", "role", "params", "grads", "optimizer", "activations", "total", "")
-        rows = [head]
+        head = ("rank", "role", "params", "grads", "optimizer", "activations", "opt step", "total")
+        rows = [(*head, "")]
         unit, scale = ("GiB", 2**30) if self.worst.total >= 2**30 else ("MiB", 2**20)
         for r in self.ranks:
-            shares = [r.params, r.grads, r.optimizer, r.activations, r.total]
+            shares = [r.params, r.grads, r.optimizer, r.activations, r.optimizer_step, r.total]
             rows.append((str(r.rank), r.role, *(f"{n / scale:.3f}" for n in shares), r.note))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head) + 1)]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
         ]
@@ -176,7 +176,7 @@ def simulate(
                     rank,
                     dims.describe(),
                     lambda r=rank: sim.parallel_rank(
-                        cfg.task, cfg.trainer, batch, r, strategy, dims, transforms
+                        cfg.task, cfg.trainer, batch, r, strategy, dims, transforms, world.is_cuda
                     ),
                 )
             )
@@ -186,7 +186,9 @@ def simulate(
     replica = failing_rank(
         0,
         kind,
-        lambda: sim.replica_rank(cfg.task, cfg.trainer, batch, 0, world.world_size, transforms),
+        lambda: sim.replica_rank(
+            cfg.task, cfg.trainer, batch, 0, world.world_size, transforms, world.is_cuda
+        ),
     )
     if kind == "deepspeed":
         replica, note = zero_states(replica, strategy, cfg.trainer.precision, world)
@@ -218,13 +220,16 @@ def failing_rank(rank: int, layout: str, run) -> RankMemory:
 
 
 def zero_states(replica: RankMemory, cfg, precision: str, world) -> tuple[RankMemory, str]:
-    """ZeRO's per-rank model states from the whole-model replica's bytes."""
+    """ZeRO's per-rank model states from the whole-model replica's bytes. Each rank steps the
+    task's optimizer on its 1/N partition: 1/N of the replica's step temporaries, none on the
+    device when the optimizer is offloaded."""
     n = world.world_size
     params, states = replica.params, replica.optimizer
     offload_opt = cfg.offload_optimizer != "none"
     offload_params = cfg.stage == 3 and cfg.offload_params != "none"
+    step = 0 if offload_opt else replica.optimizer_step // n
     if precision in ("bf16-mixed", "16-mixed"):
-        return deepspeed_estimate(replica, cfg, world, offload_opt, offload_params)
+        return deepspeed_estimate(replica, cfg, world, offload_opt, offload_params, step)
     # fp32, as benchmarks/memory.py measured: stages 1-2 keep an fp32 copy of their partition
     row = RankMemory(
         replica.rank,
@@ -233,12 +238,13 @@ def zero_states(replica: RankMemory, cfg, precision: str, world) -> tuple[RankMe
         params // n,
         0 if offload_opt else states // n + (params // n if cfg.stage < 3 else 0),
         replica.activations,
+        step,
         "optimizer offloaded" if offload_opt else "",
     )
     return row, "ZeRO model states: the fp32 formulas the memory benchmark verified."
 
 
-def deepspeed_estimate(replica, cfg, world, offload_opt, offload_params):
+def deepspeed_estimate(replica, cfg, world, offload_opt, offload_params, step: int):
     psi = replica.params // 4
     if cfg.stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -260,6 +266,7 @@ def deepspeed_estimate(replica, cfg, world, offload_opt, offload_params):
         0,
         max(0, device - params),
         replica.activations,
+        step,
         "grads in optimizer column",
     )
     return row, (

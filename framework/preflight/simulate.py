@@ -5,8 +5,10 @@ sent), the task is built under `FakeTensorMode` (tensors have shapes, dtypes and
 storage), and the strategy's own `parallelize` runs on it: the same mesh, pipeline cut, tensor
 plans and FSDP2 units the worker would build. One training step then runs on a batch of the
 configured shape (forward, the task's loss, backward, the optimizer's step) under torch's
-`MemTracker`, which records the bytes every live tensor would take. A shape that does not split,
-a plan that does not apply or a stage that cannot run fails here as it would in the worker.
+`MemTracker`, which records the bytes every live tensor would take. Forward and backward are
+measured apart from the optimizer's step: the activations are freed before the step allocates its
+temporaries, and each phase has its own peak. A shape that does not split, a plan that does not
+apply or a stage that cannot run fails here as it would in the worker.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ SCHEDULE_IN_FLIGHT = {"gpipe": "m"}  # the others keep at most (pp - position) m
 
 @dataclass
 class RankMemory:
-    """Bytes one rank holds: model states (exact, from its shards) and the step's peak."""
+    """Bytes one rank holds: model states (exact, from its shards) and, on top of them, the
+    activations of forward and backward or the optimizer step's temporaries, whichever is larger
+    (the one phase ends before the other begins)."""
 
     rank: int
     role: str
     params: int
     grads: int
     optimizer: int
-    activations: int  # at the step's peak, times the microbatches a pipeline keeps in flight
+    activations: int  # at forward and backward's peak, times a pipeline's microbatches in flight
+    optimizer_step: int = 0  # what the optimizer's step allocates and frees (Adam's temporaries)
     note: str = ""
 
     @property
@@ -43,7 +48,9 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations
+        """The peak of a step in steady state (the optimizer state exists from the second step
+        on): forward and backward's, or the optimizer step's own if that is higher."""
+        return self.model_states + max(self.activations, self.optimizer_step)
 
 
 def local_bytes(tensors) -> int:
@@ -134,30 +141,56 @@ def autocast(precision: str):
     return contextlib.nullcontext()
 
 
-def optimizer_of(task) -> Any:
+def optimizer_of(task, cuda: bool) -> Any:
+    """The task's optimizer, stepping as it would on the job's device (see `step_as_on_cuda`)."""
     from framework.task import TaskModule
 
     if isinstance(task, TaskModule):
-        return task.make_optimizer()
-    built = task.configure_optimizers()
-    if isinstance(built, dict):
-        built = built["optimizer"]
-    if isinstance(built, (list, tuple)):
-        built = built[0]
+        built = task.make_optimizer()
+    else:
+        built = task.configure_optimizers()
+        if isinstance(built, dict):
+            built = built["optimizer"]
         if isinstance(built, (list, tuple)):
             built = built[0]
+            if isinstance(built, (list, tuple)):
+                built = built[0]
+    if cuda:
+        step_as_on_cuda(built)
     return built
 
 
-def step(task, optimizer, run_backward, precision: str) -> tuple[dict[str, int] | None, int, int]:
-    """One step under MemTracker: (bytes at the peak by kind, grads' bytes, optimizer's bytes).
-    A step whose shapes depend on the data (a mixture-of-experts layer's tokens per expert)
-    cannot run on fake tensors: then the peak is None and the gradients and optimizer state are
-    those of a step on zero gradients."""
+def step_as_on_cuda(optimizer) -> None:
+    """torch's optimizers left to choose (`foreach=None`) take their foreach form on CUDA, whose
+    temporaries span all the parameters at once, and a loop over the parameters on the CPU, one
+    parameter's at a time; fake tensors are CPU tensors, so the choice CUDA makes is set here."""
+    for group in optimizer.param_groups:
+        chosen = group.get("foreach", False) is not None or group.get("fused")
+        if not chosen and not group.get("differentiable"):
+            group["foreach"] = True
+
+
+def step(task, optimizer, run_backward, precision: str) -> tuple[int | None, int, int, int]:
+    """One step under MemTracker, in two phases: (activations at forward and backward's peak,
+    the optimizer step's temporaries, grads' bytes, optimizer state's bytes). A step whose shapes
+    depend on the data (a mixture-of-experts layer's tokens per expert) cannot run forward on
+    fake tensors: then the activations are None and the optimizer steps on zero gradients."""
     try:
-        return tracked_step(task, optimizer, run_backward, precision)
+        with autocast(precision):
+            peak, _ = tracked(task, optimizer, run_backward)
+        held = activations(peak)
     except data_dependent() as err:
         log.info("fw check: %s has data-dependent shapes; model states only", type(err).__name__)
+        held = None
+        zero_gradients(task)
+    grads = local_bytes(p.grad for p in task.parameters())
+    peak, after = tracked(task, optimizer, optimizer.step)
+    states = local_bytes(v for s in optimizer.state.values() for v in s.values())
+    return held, max(0, peak["total"] - after["total"]), grads, states
+
+
+def zero_gradients(task) -> None:
+    """The gradients a backward would leave, for a step whose forward could not run."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in task.modules():  # the forward stopped with parameters gathered
@@ -166,9 +199,6 @@ def step(task, optimizer, run_backward, precision: str) -> tuple[dict[str, int] 
     for p in task.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    grads = local_bytes(p.grad for p in task.parameters())
-    optimizer.step()
-    return None, grads, local_bytes(v for s in optimizer.state.values() for v in s.values())
 
 
 def data_dependent() -> tuple[type[Exception], ...]:
@@ -181,23 +211,28 @@ def data_dependent() -> tuple[type[Exception], ...]:
     return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
 
 
-def tracked_step(task, optimizer, run_backward, precision: str):
+def tracked(task, optimizer, run) -> tuple[dict[str, int], dict[str, int]]:
+    """`run()` under its own MemTracker (the model's parameters, buffers and gradients and the
+    optimizer's state tracked from before): bytes by kind, and their "total", at run's peak and
+    when it has returned."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracker.track_external(task, optimizer)
     with tracker:
-        with autocast(precision):
-            run_backward()
-        grads = local_bytes(p.grad for p in task.parameters())
-        optimizer.step()
-    states = local_bytes(v for s in optimizer.state.values() for v in s.values())
-    peak = {}
-    for by_kind in tracker.get_tracker_snapshot("peak").values():
-        for kind, n in by_kind.items():
+        run()
+    return by_kind(tracker.get_tracker_snapshot("peak")), by_kind(tracker.get_tracker_snapshot())
+
+
+def by_kind(snapshot) -> dict[str, int]:
+    """A MemTracker snapshot summed over devices, keyed `param`, `grad`, `act`, ..., `total`."""
+    found: dict[str, int] = {}
+    for kinds in snapshot.values():
+        for kind, n in kinds.items():
             name = str(kind).rsplit(".", 1)[-1].lower()
-            peak[name] = peak.get(name, 0) + int(n)
-    return peak, grads, states
+            found[name] = found.get(name, 0) + int(n)
+    found.setdefault("total", 0)
+    return found
 
 
 def fake_batch(mode, batch: Any) -> Any:
@@ -230,27 +265,26 @@ def whole_step(task, batch, loss_parallel: bool):
 
 
 def replica_rank(
-    task_cfg, trainer_cfg, batch, rank: int, world_size: int, transforms
+    task_cfg, trainer_cfg, batch, rank: int, world_size: int, transforms, cuda: bool
 ) -> RankMemory:
     """A rank that holds the whole model (ddp, and DeepSpeed before its own sharding)."""
     mode = fake_mode()
     with fake_world(rank, world_size), _quiet_logging():
         task = build_fake_task(task_cfg, mode, trainer_cfg.precision)
         transforms.apply(task)
-        optimizer = optimizer_of(task)
-        peak, grads, states = step(
+        optimizer = optimizer_of(task, cuda)
+        held, temporaries, grads, states = step(
             task, optimizer, whole_step(task, fake_batch(mode, batch), False), trainer_cfg.precision
         )
     params = local_bytes(task.parameters())
-    note = UNSIMULATED if peak is None else ""
-    return RankMemory(rank, "every rank", params, grads, states, activations(peak), note)
+    note = UNSIMULATED if held is None else ""
+    return RankMemory(rank, "every rank", params, grads, states, held or 0, temporaries, note)
 
 
-def activations(peak: dict[str, int] | None) -> int:
-    """What the step's peak holds besides parameters, gradients and optimizer state (0 when the
-    step could not run on fake tensors)."""
-    if peak is None:
-        return 0
+def activations(peak: dict[str, int]) -> int:
+    """What forward and backward's peak holds besides parameters, gradients and optimizer state:
+    saved activations, temporaries (a gradient not yet in `.grad` too), gathered FSDP parameters,
+    buffers."""
     return sum(n for kind, n in peak.items() if kind in ("act", "temp", "buffer", "oth"))
 
 
@@ -269,7 +303,9 @@ def _quiet_logging():
         yield
 
 
-def parallel_rank(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms) -> RankMemory:
+def parallel_rank(
+    task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms, cuda: bool
+) -> RankMemory:
     """A rank of the parallel strategy: the worker's own mesh, cut, plans and FSDP units."""
     from framework.parallel.fsdp import FSDPSettings
     from framework.parallel.parallelize import TensorParallelSettings, parallelize
@@ -295,7 +331,7 @@ def parallel_rank(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms
             shard_modules=tuple(cfg.shard_modules),
         )
         stages = parallelize(task, mesh, dims, tensor, fsdp, transforms, cut)
-        optimizer = optimizer_of(task)
+        optimizer = optimizer_of(task, cuda)
         where = " ".join(f"{k}{v}" for k, v in coords.items() if getattr(dims, k) > 1)
         if cut is None:
             run = whole_step(task, batch, tensor.loss_parallel and dims.tp > 1)
@@ -304,12 +340,12 @@ def parallel_rank(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms
             run = stage_steps(task, stages, inputs, cut)
             role = f"stage {'+'.join(str(s) for s in cut.mine)} ({where})"
             flight = in_flight(cfg, dims, coords["pp"])
-        peak, grads, states = step(task, optimizer, run, precision)
+        held, temporaries, grads, states = step(task, optimizer, run, precision)
     params = local_bytes(task.parameters())
     note = f"x{flight} microbatches in flight" if flight > 1 else ""
-    if peak is None:
+    if held is None:
         note = UNSIMULATED
-    return RankMemory(rank, role, params, grads, states, activations(peak) * flight, note)
+    return RankMemory(rank, role, params, grads, states, (held or 0) * flight, temporaries, note)
 
 
 def tensor_plan(task, cfg, dims) -> dict[str, str]:

@@ -192,3 +192,49 @@ def test_a_mixture_of_experts_job_is_not_refused_for_its_data_dependent_routing(
         assert rank.optimizer == pytest.approx(2 * rank.params, rel=1e-3)  # + the step counts
         assert rank.grads == rank.params
         assert "activations not simulated" in rank.note
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "foreach", "rows"),
+    [("cpu", False, 64), ("gpu", True, 8)],  # at 8 rows the optimizer step's peak is the higher
+)
+def test_activations_and_the_optimizer_steps_temporaries_both_count_toward_the_total(
+    accelerator, foreach, rows
+):
+    """Forward and backward peak apart from the optimizer's step (the activations are freed
+    before Adam allocates its temporaries), so each phase is measured on its own: the digits
+    MLP's activations are about the size of its layers' outputs for one batch, and the total
+    covers the peak of a real optimizer step (on CUDA, where the job runs, Adam takes its foreach
+    form; on the CPU a loop over the parameters)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from framework.preflight.check import check
+    from framework.worker import build_task
+
+    args = ["task=digits", f"task.data.batch_size={rows}", f"trainer.accelerator={accelerator}"]
+    report = check(args)
+    (row,) = report.ranks
+    task = build_task(report.config.task)
+    linears = [m for m in task.modules() if isinstance(m, torch.nn.Linear)]
+    widths = [linears[0].in_features, *(m.out_features for m in linears)]
+    hidden, weight = linears[0].out_features, max(m.weight.numel() * 4 for m in linears)
+    # at least the hidden layer's output, which backward needs; at most a few copies of every
+    # layer's input and output for the batch (saved, and their gradients in backward) and one
+    # weight's gradient, a temporary of backward until it is stored in `.grad`
+    assert rows * hidden * 4 <= row.activations <= 4 * rows * sum(widths) * 4 + weight, row
+
+    x = torch.randn(rows, widths[0])
+    y = torch.randint(0, widths[-1], (rows,))
+    task.loss(task(x), y).backward()
+    optimizer = task.make_optimizer()
+    for group in optimizer.param_groups:
+        group["foreach"] = foreach
+    tracker = MemTracker()
+    tracker.track_external(task, optimizer)
+    with tracker:
+        optimizer.step()
+    (real,) = tracker.get_tracker_snapshot("peak").values()
+    assert row.model_states + row.optimizer_step == real["Total"], (row, real)
+    assert row.optimizer_step > 0 and row.total >= real["Total"]
+    assert row.total == row.model_states + max(row.activations, row.optimizer_step)
