@@ -24,11 +24,15 @@ $(STAMP): pyproject.toml constraints.txt
 run: install
 	$(BIN)/fw train task=gpt
 
+# Two pytest workers (pytest-xdist), each given whole files: one worker's tests leave a core
+# idle much of the time (a job's launcher validating, a rank waiting on another, in-process
+# tests on one core).
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q --durations=40
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+
 import pytest
 
 from tests.conftest import QUIET, fw, losses
@@ -30,9 +33,18 @@ RUNS = {
 @pytest.fixture(scope="session")
 def one_process(tmp_path_factory):
     """Run directories of one-process runs: gpt_tiny with batch 8 and 16 (20 steps, checkpoints
-    at 10 and 20, validation at 20) and digits with batch 32 (20 steps); with `losses` of each."""
-    root = tmp_path_factory.mktemp("one_process")
-    for name, args in RUNS.items():
-        result = fw("train", *REFERENCE, *args, f"run.dir={root / name}", cwd=root)
-        assert result.returncode == 0, result.stderr[-3000:]
+    at 10 and 20, validation at 20) and digits with batch 32 (20 steps); with `losses` of each.
+    Under pytest-xdist (`make test`) the workers share them: the first to get here runs them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "one_process"  # this session's, shared
+    else:
+        root = tmp_path_factory.mktemp("one_process")
+    root.mkdir(exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait for the runs
+        if not (root / ".done").exists():
+            for name, args in RUNS.items():
+                result = fw("train", *REFERENCE, *args, f"run.dir={root / name}", cwd=root)
+                assert result.returncode == 0, result.stderr[-3000:]
+            (root / ".done").touch()
     return {"root": root, **{name: losses(root / name) for name in RUNS}}
