@@ -58,6 +58,9 @@ class Checkpointer(pl.Callback):
         self.pending: dict[str, Any] | None = None  # a checkpoint being written in the background
         self.stall = 0.0
         self.unannounced: list[Any] = []  # committed on rank 0, not yet shown to the loggers
+        self.uploaders: list[Any] | None = None  # the loggers that upload checkpoints
+        self.best_value: float | None = None  # of callbacks.checkpoint.monitor, so far
+        self.best_read = False  # the earlier checkpoints' values were read
 
     @property
     def state_key(self) -> str:
@@ -187,6 +190,8 @@ class Checkpointer(pl.Callback):
 
     def _prune(self) -> None:
         cfg = self.cfg
+        for logger in self.uploaders or []:  # a checkpoint being uploaded is copied first
+            logger.wait_staged()
         checkpointing.prune(self.ckpt_dir, cfg.keep_last, cfg.keep_best, cfg.monitor, cfg.mode)
 
     def save(self, trainer: pl.Trainer) -> None:
@@ -283,21 +288,43 @@ class Checkpointer(pl.Callback):
     def announce(self, trainer: pl.Trainer) -> None:
         """Show committed checkpoints to the loggers that upload them (W&B's `log_model`), on
         rank 0. Held back until the step's validation has run (or the next step begins), so
-        the metrics they carry, and which is best, are that step's."""
+        the metrics they carry, and which is best, are that step's. Called at every step
+        boundary: the uploads whose files are copied are then logged."""
         done, self.unannounced = self.unannounced, []
-        if not done:
+        if not trainer.is_global_zero:
             return
-        uploaders = [lg for lg in trainer.loggers if hasattr(lg, "log_checkpoint")]
-        if not uploaders or not trainer.is_global_zero:
-            return
-        cfg = self.cfg
-        for path in done:
+        if self.uploaders is None:
+            self.uploaders = [lg for lg in trainer.loggers if hasattr(lg, "log_checkpoint")]
+        for path in done if self.uploaders else []:
             if not path.is_dir():  # pruned already
                 continue
-            best = cfg.monitor and checkpointing.best(self.ckpt_dir, cfg.monitor, cfg.mode)
             meta = checkpointing.read_meta(path)
-            for logger in uploaders:
-                logger.log_checkpoint(path, meta, bool(best) and best.name == path.name)
+            best = self._new_best(meta.get("metrics", {}).get(self.cfg.monitor), done)
+            for logger in self.uploaders:
+                logger.log_checkpoint(path, meta, best)
+        for logger in self.uploaders:
+            logger.log_staged()
+
+    def _new_best(self, value: float | None, done: list[Any]) -> bool:
+        """Whether `value` of the monitored metric beats every earlier checkpoint's, including
+        those pruned since and those of the jobs before a resume (read from disk once)."""
+        if self.cfg.monitor is None or value is None:
+            return False
+        if not self.best_read:
+            self.best_read = True
+            now = {p.name for p in done}
+            earlier = [p for _, p in checkpointing.listing(self.ckpt_dir) if p.name not in now]
+            values = [
+                checkpointing.read_meta(p).get("metrics", {}).get(self.cfg.monitor) for p in earlier
+            ]
+            values = [v for v in values if v is not None]
+            self.best_value = (max if self.cfg.mode == "max" else min)(values, default=None)
+        better = self.best_value is None or (
+            value > self.best_value if self.cfg.mode == "max" else value < self.best_value
+        )
+        if better:
+            self.best_value = value
+        return better
 
 
 class PreemptionVote:

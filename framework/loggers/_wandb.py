@@ -36,6 +36,7 @@ class RunWandbLogger(WandbLogger):
         self.uploaded: dict[int, list[str]] = {}  # step -> aliases, for this job's uploads
         self._newest: Any = None  # the version `last` uploaded most recently
         self._pruner: threading.Thread | None = None
+        self._staging: list[dict[str, Any]] = []  # copied in the background, then logged
 
     def _unless_lost(self, fn, *args: Any) -> None:
         """W&B's service process can die under training (a scheduler signals every process of
@@ -61,7 +62,8 @@ class RunWandbLogger(WandbLogger):
     def log_checkpoint(self, path: Path, meta: dict[str, Any], best: bool) -> None:
         """Upload a committed checkpoint as a version of the artifact `model-<run id>`, as
         `log_model` asks: last (alias latest), best (alias best, only when `best`), all (aliases
-        latest and step-N, plus best). A failed upload is a warning: training goes on."""
+        latest and step-N, plus best). Its files are copied to W&B's staging area in a thread;
+        `log_staged` then logs it, from the training thread. A failed upload is a warning."""
         which, step = self.log_checkpoints, int(meta["step"])
         if which == "none" or self._lost is not None or step in self.uploaded:
             return
@@ -70,31 +72,59 @@ class RunWandbLogger(WandbLogger):
         aliases = {"last": ["latest"], "best": ["best", f"step-{step}"]}.get(
             which, ["latest", f"step-{step}"] + (["best"] if best else [])
         )
+        self.uploaded[step] = aliases
         try:
-            self._upload(path, meta, aliases)
-        except (ConnectionError, BrokenPipeError, EOFError) as err:
-            self._lost = f"{type(err).__name__}: {err}"
-            log.warning("W&B stopped logging (%s); training goes on", self._lost)
-        except Exception as err:  # a full disk, a refused artifact: the checkpoint is still here
+            import wandb
+
+            keep = ("run_id", "step", "epoch", "metrics", "world_size", "format", "config_hash")
+            artifact = wandb.Artifact(
+                f"model-{self.experiment.id}",
+                type="model",
+                metadata={**{k: meta.get(k) for k in keep}, "checkpoint": str(path)},
+            )
+        except Exception as err:
             log.warning("W&B: checkpoint %s was not uploaded (%s)", path, err)
+            return
+        staged = {"path": path, "artifact": artifact, "aliases": aliases, "error": None}
+        staged["thread"] = threading.Thread(target=stage, args=(staged,), daemon=True)
+        staged["thread"].start()
+        self._staging.append(staged)
 
-    def _upload(self, path: Path, meta: dict[str, Any], aliases: list[str]) -> None:
-        import wandb
+    def wait_staged(self) -> None:
+        """Wait until every checkpoint being uploaded is copied to W&B's staging area: then
+        pruning may delete it (any thread may call this)."""
+        for staged in list(self._staging):
+            staged["thread"].join()
 
-        run = self.experiment
-        keep = ("run_id", "step", "epoch", "metrics", "world_size", "format", "config_hash")
-        artifact = wandb.Artifact(
-            f"model-{run.id}",
-            type="model",
-            metadata={**{k: meta.get(k) for k in keep}, "checkpoint": str(path)},
-        )
-        # Files are copied to W&B's staging area now: pruning may remove the checkpoint before
-        # the upload (or `wandb sync`) reads it.
-        artifact.add_dir(str(path))
+    @rank_zero_only
+    def log_staged(self, wait: bool = False) -> None:
+        """Log the checkpoints whose copy is complete, in the order they were saved (`wait`:
+        all of them). Called from the training thread at step boundaries and at the end."""
+        while self._staging and (wait or not self._staging[0]["thread"].is_alive()):
+            staged = self._staging.pop(0)
+            staged["thread"].join()
+            if staged["error"] is None and self._lost is None:
+                try:
+                    self._log_artifact(staged)
+                    continue
+                except (ConnectionError, BrokenPipeError, EOFError) as err:
+                    self._lost = f"{type(err).__name__}: {err}"
+                    log.warning("W&B stopped logging (%s); training goes on", self._lost)
+                except Exception as err:  # a refused artifact: the checkpoint is still here
+                    staged["error"] = err
+            if staged["error"] is not None:
+                log.warning(
+                    "W&B: checkpoint %s was not uploaded (%s)", staged["path"], staged["error"]
+                )
+
+    def _log_artifact(self, staged: dict[str, Any]) -> None:
+        run, artifact, aliases = self.experiment, staged["artifact"], staged["aliases"]
         logged = run.log_artifact(artifact, aliases=aliases)
-        self.uploaded[int(meta["step"])] = aliases
         log.info(
-            "W&B: checkpoint %s logged as %s (%s)", path.name, artifact.name, ", ".join(aliases)
+            "W&B: checkpoint %s logged as %s (%s)",
+            staged["path"].name,
+            artifact.name,
+            ", ".join(aliases),
         )
         if self.log_checkpoints == "last" and run.settings.mode == "online":
             self._supersede(logged)
@@ -118,6 +148,7 @@ class RunWandbLogger(WandbLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
+        self.log_staged(wait=True)
         self._wait_pruner(timeout=120)
         self._unless_lost(self._finish, status)
         if self._offline_dir:
@@ -131,6 +162,15 @@ class RunWandbLogger(WandbLogger):
         super().finalize(status)
         if self._experiment is not None:  # end the run: the next job here gets its own
             self._experiment.finish(exit_code=0 if status == "success" else 1)
+
+
+def stage(staged: dict[str, Any]) -> None:
+    """Copy a checkpoint's files into W&B's staging area (with their digests): pruning may
+    delete the checkpoint before the upload, or `wandb sync`, reads it. Runs in a thread."""
+    try:
+        staged["artifact"].add_dir(str(staged["path"]))
+    except Exception as err:  # a full disk: reported by log_staged
+        staged["error"] = err
 
 
 def delete_when_uploaded(new: Any, old: Any) -> None:

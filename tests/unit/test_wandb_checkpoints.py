@@ -1,12 +1,13 @@
 """`logger.wandb.log_model`: which committed checkpoints become W&B artifact versions, with which
-aliases and metadata; a failed upload does not stop training; `last` deletes the version it
-replaced once online. A stand-in W&B run records what would be logged (the real offline record
+aliases and metadata; the files are copied off the training thread; a failed upload does not
+stop training; `last` deletes the version it replaced once online. A stand-in W&B run records what would be logged (the real offline record
 is checked in tests/distributed/test_tracking.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -69,6 +70,8 @@ def upload(which, checkpoints, run):
         best_so_far = min(best_so_far, loss)
         logger.log_checkpoint(path, meta, best)
         logger.log_checkpoint(path, meta, best)  # announced twice: uploaded once
+        logger.log_staged()
+    logger.log_staged(wait=True)
     logger._wait_pruner()
     return [(x.artifact.metadata["step"], x.aliases) for x in run.logged]
 
@@ -121,3 +124,51 @@ def test_a_failed_upload_is_a_warning_not_a_crash(checkpoints, caplog):
     with caplog.at_level(logging.WARNING, logger="framework.wandb"):
         assert upload("all", checkpoints, run) == []
     assert "was not uploaded (No space left on device)" in caplog.text
+
+
+def test_the_copy_runs_off_the_training_thread_and_pruning_waits_for_it(checkpoints, monkeypatch):
+    import wandb
+
+    release, copying = threading.Event(), threading.Event()
+    add_dir = wandb.Artifact.add_dir
+
+    def slow_add_dir(self, *args, **kwargs):  # a large checkpoint on a slow disk
+        copying.set()
+        release.wait(30)
+        return add_dir(self, *args, **kwargs)
+
+    monkeypatch.setattr(wandb.Artifact, "add_dir", slow_add_dir)
+    run = FakeRun()
+    logger = RunWandbLogger(experiment=run, log_checkpoints="all", save_dir=".", log_model=False)
+    path, meta, _ = checkpoints[0]
+    logger.log_checkpoint(path, meta, True)  # returns while the files are still being copied
+    assert copying.wait(30)
+    logger.log_staged()
+    assert run.logged == [], "logged only once its files are staged"
+    pruning = threading.Thread(target=logger.wait_staged)
+    pruning.start()
+    pruning.join(0.5)
+    assert pruning.is_alive(), "pruning waits until the checkpoint is copied"
+    release.set()
+    pruning.join(30)
+    logger.log_staged()
+    assert [x.aliases for x in run.logged] == [["latest", "step-4", "best"]]
+
+
+def test_best_is_judged_against_every_earlier_checkpoint_even_pruned_or_from_before_a_resume(
+    tmp_path,
+):
+    from framework.callbacks._checkpointer import Checkpointer
+
+    ckpt_dir = tmp_path / "checkpoints"
+    earlier = ckpt_dir / "step00000004"  # the job before a resume kept this one
+    earlier.mkdir(parents=True)
+    (earlier / "meta.json").write_text(json.dumps({"step": 4, "metrics": {"val/loss": 0.4}}))
+    cfg = SimpleNamespace(monitor="val/loss", mode="min")
+    checkpointer = Checkpointer(cfg, SimpleNamespace(run_dir=tmp_path))
+    # this job: 0.5 (not better than 0.4), 0.3 (best), then that one is pruned, then 0.35
+    assert not checkpointer._new_best(0.5, [ckpt_dir / "step00000008"])
+    assert checkpointer._new_best(0.3, [ckpt_dir / "step00000012"])
+    assert not checkpointer._new_best(0.35, [ckpt_dir / "step00000016"])
+    assert checkpointer._new_best(0.2, [ckpt_dir / "step00000020"])
+    assert not checkpointer._new_best(None, [ckpt_dir / "step00000024"]), "no value: not best"
