@@ -9,6 +9,8 @@ its mode (seeded, so a campaign can be replayed):
 - `restart`: one worker, then another one as soon as the restarted workers exist (a kill during
   the restart).
 - `job`: every process of the job (fw included), at a random step; then the same command again.
+- `commit`: every process of the job, as soon as a checkpoint (after a random step) is committed;
+  then the same command again. Every metrics row before the checkpoint's step must be on disk.
 - `end`: one worker of a job without restarts (`launcher.max_restarts=0`), at a random step: the
   job must end naming the killed rank (the time to that end is reported); then the same command
   again.
@@ -70,7 +72,7 @@ STRATEGIES = {
         "strategy.microbatches=2",
     ],
 }
-MODES = ("worker", "mid-save", "restart", "job", "end")
+MODES = ("worker", "mid-save", "restart", "job", "commit", "end")
 
 
 def env() -> dict[str, str]:
@@ -139,10 +141,19 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
     step = rng.randint(2, STEPS - 4)
     proc = start(args, run)
     killed_at, kills = None, 1
+    ckpts = run / "checkpoints"
     if mode == "mid-save":
-        ckpts = run / "checkpoints"
         hit = wait(lambda: ckpts.is_dir() and any(ckpts.glob("*.tmp")), proc)
         killed_at = time.monotonic() if hit and kill_one(proc, rng) else None
+    elif mode == "commit":
+        hit = wait(
+            lambda: any(s > step for s, _ in checkpointing.listing(ckpts)), proc, period=0.001
+        )
+        if hit:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed_at = time.monotonic()
+            proc = start(args, run)
     else:
         hit = wait(lambda: any(s >= step for s, _ in rows(run)), proc)
         if hit and mode == "end":
@@ -173,7 +184,11 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
                     kills += kill_one(proc, rng)
     resumed_s = None
     if killed_at is not None:  # the next step logged by the new workers
-        if mode not in ("job", "end"):  # the launcher records each restart as it starts them
+        if mode not in (
+            "job",
+            "commit",
+            "end",
+        ):  # the launcher records each restart as it starts them
             wait(lambda: len(restarts(run)) >= kills, proc, period=0.02)
         since = time.time()
         metrics = run / "metrics.csv"

@@ -101,6 +101,38 @@ class KillAfterSave(pl.Callback):
             os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
 
 
+class KillAfterCommitDigits(SlowDigitsTask):
+    """SlowDigitsTask that SIGKILLs the whole job at the first step boundary where a committed
+    checkpoint of step `after` or later is in `ckpts` (once: `marker`). A task's hooks run after
+    every callback's, so the kill comes right after the commit, before anything else is logged."""
+
+    def __init__(
+        self,
+        hidden: int = 64,
+        dropout: float = 0.1,
+        step_sleep: float = 0.1,
+        after: int = 1,
+        ckpts: str = "",
+        marker: str = "",
+    ) -> None:
+        super().__init__(hidden=hidden, dropout=dropout, step_sleep=step_sleep)
+        self.after, self.ckpts, self.marker = after, ckpts, marker
+
+    def _kill_once_committed(self) -> None:
+        if self.global_rank != 0 or os.path.exists(self.marker) or not os.path.isdir(self.ckpts):
+            return
+        committed = [n for n in os.listdir(self.ckpts) if n.startswith("step") and "." not in n]
+        if any(int(n[4:]) >= self.after for n in committed):
+            open(self.marker, "w").close()
+            os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._kill_once_committed()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self._kill_once_committed()
+
+
 class IndexedDigits(pl.LightningDataModule):
     """Digits whose batches also carry each sample's index, to check which samples were seen."""
 

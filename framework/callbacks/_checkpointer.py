@@ -56,6 +56,7 @@ class Checkpointer(pl.Callback):
         self.names_recorded = False
         self.data_state: Any = None  # every rank's stateful sampler or dataset position
         self.pending: dict[str, Any] | None = None  # a checkpoint being written in the background
+        self.uncommitted: tuple[Any, dict[str, Any]] | None = None  # written, commit held back
         self.stall = 0.0
         self.unannounced: list[Any] = []  # committed on rank 0, not yet shown to the loggers
         self.uploaders: list[Any] | None = None  # the loggers that upload checkpoints
@@ -122,6 +123,7 @@ class Checkpointer(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module, batch: Any, batch_idx: int
     ) -> None:
+        self.release(trainer)  # the previous step's metrics are logged by now
         # Lightning skips on_train_epoch_start when it restarts mid-epoch: detect epochs here.
         if trainer.current_epoch != self.epoch:
             self.epoch, self.cursor = trainer.current_epoch, 0
@@ -149,13 +151,13 @@ class Checkpointer(pl.Callback):
         self.finish_pending(trainer, wait=False)
         if (due or preempt) and step != self.last_saved and step > 0:
             self.save(trainer)
-        if preempt:
-            self.finish_pending(trainer)  # stop only with the checkpoint complete
+        if preempt:  # committed in on_train_end, once this step's metrics are logged
             self.preempted_at, self.preempted_by = step, preempt
             trainer.should_stop = True
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._rng_before_validation = rng.capture()
+        self.release(trainer)  # validation runs after the step's training metrics are logged
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation leaves the RNG as it found it: a resumed run that does not repeat a
@@ -178,9 +180,11 @@ class Checkpointer(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._vote.finish()
+        self.release(trainer)
         step = trainer.global_step
         if self.cfg.save_on_train_end and step > 0 and step != self.last_saved:
             self.save(trainer)
+            self.release(trainer)
         self.finish_pending(trainer)  # nothing is left half-written at exit
         self.announce(trainer)
 
@@ -219,9 +223,10 @@ class Checkpointer(pl.Callback):
         self.rng_states = []
         self.last_saved = step
         future = getattr(trainer.strategy, "pending_save", None) if background else None
-        if future is not None:  # rank 0 commits it once written, in the background too
+        if future is not None:  # rank 0 commits it once written and released, in the background
             trainer.strategy.pending_save = None
             self.pending = {"future": future, "step": step, "error": None}
+            self.pending["released"] = threading.Event()
             if trainer.is_global_zero:
                 commit = threading.Thread(
                     target=self._commit_when_written,
@@ -231,9 +236,31 @@ class Checkpointer(pl.Callback):
                 self.pending["thread"] = commit
                 commit.start()
             return
-        if trainer.is_global_zero:
-            self.unannounced.append(self._commit(tmp, meta))
-        trainer.strategy.barrier("checkpoint-commit")
+        self.uncommitted = (tmp, meta)
+
+    def release(self, trainer: pl.Trainer) -> None:
+        """Commit the checkpoint written at the last step, now that Lightning has logged that
+        step's metrics (it does so after `on_train_batch_end`, where the save ran) and the loggers
+        have written them out. A checkpoint of step N is then never on disk while a metrics row
+        before N is not: a kill right after the commit resumes at N with every earlier row kept.
+        A kill before the commit resumes from the checkpoint before, and logs those steps again."""
+        waiting = self.pending is not None and not self.pending["released"].is_set()
+        if self.uncommitted is None and not waiting:
+            return  # most steps
+        with watchdog.busy():  # the commit's digests of a large checkpoint are not a hang
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.save()
+                    if hasattr(logger, "wait_received"):  # it writes in another process
+                        logger.wait_received()
+            if self.uncommitted is not None:
+                tmp, meta = self.uncommitted
+                self.uncommitted = None
+                if trainer.is_global_zero:
+                    self.unannounced.append(self._commit(tmp, meta))
+                trainer.strategy.barrier("checkpoint-commit")
+            if waiting:
+                self.pending["released"].set()
 
     def finish_pending(self, trainer: pl.Trainer, wait: bool = True) -> None:
         """Wait for the background write (and, on rank 0, its commit: DCP's coordinator finishes
@@ -244,6 +271,9 @@ class Checkpointer(pl.Callback):
         waiter = pending.get("thread")
         if not wait and (waiter.is_alive() if waiter else not pending["future"].done()):
             return
+        # Waiting implies the step's metrics were logged (the callers come after release()):
+        # set it regardless, as a waiter on an unreleased commit would wait forever.
+        pending["released"].set()
         if waiter is not None:
             waiter.join()
         else:
@@ -257,6 +287,7 @@ class Checkpointer(pl.Callback):
     def _commit_when_written(self, future, tmp, meta: dict[str, Any], pending: dict) -> None:
         try:
             future.result()
+            pending["released"].wait()  # the step's metrics are written: see release()
             pending["path"] = self._commit(tmp, meta)
         except BaseException as err:  # raised in the training thread by finish_pending
             pending["error"] = err

@@ -59,6 +59,23 @@ class RunWandbLogger(WandbLogger):
         self._unless_lost(super().log_metrics, metrics, step)
 
     @rank_zero_only
+    def wait_received(self) -> None:
+        """Wait (5 s at most) until W&B's service process has every record logged so far: it
+        writes the run file (offline: the record `wandb sync` uploads), so they outlive a kill
+        of this process. A round trip (about 0.5 ms), so called before a checkpoint commits, not
+        after every step as Lightning calls `save()`."""
+        self._unless_lost(self._wait_received)
+
+    def _wait_received(self) -> None:
+        interface = getattr(self._experiment, "_interface", None)  # none: disabled, or not begun
+        if interface is None:
+            return
+        try:
+            interface.deliver_history_step().wait_or(timeout=5)
+        except TimeoutError:  # a busy service: the checkpoint does not wait on it any longer
+            log.warning("W&B's service did not confirm the metrics within 5 s")
+
+    @rank_zero_only
     def log_checkpoint(self, path: Path, meta: dict[str, Any], best: bool) -> None:
         """Upload a committed checkpoint as a version of the artifact `model-<run id>`, as
         `log_model` asks: last (alias latest), best (alias best, only when `best`), all (aliases

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from framework.data.sampler import GlobalOrderSampler
-from tests.conftest import FW, QUIET, fw, fw_env, metric_rows
+from tests.conftest import FW, QUIET, fw, fw_env, metric_rows, read_metrics
 
 pytestmark = pytest.mark.slow
 STEPS = 40
@@ -116,6 +116,30 @@ def test_kill_9_at_a_random_step_then_restart_is_exact(seed, reference, workdir)
     err = kill_then_restart(SLOW, workdir / "run", kill_step, workdir)
     assert "Resuming from" in err or kill_step < 5
     assert_same_as_reference(workdir / "run", reference)
+
+
+def test_a_kill_right_after_a_commit_loses_no_metrics_row(reference, workdir):
+    """The checkpoint of step 10 commits only once step 9's metrics (training and validation)
+    are in metrics.csv: the job killed the moment the commit shows has every row before 10, and
+    the rerun resumes at 10, each step logged once."""
+    run, marker = workdir / "run", workdir / "killed"
+    args = [
+        *(a for a in SLOW if not a.startswith("task._target_=")),
+        "task._target_=tests.tasks.KillAfterCommitDigits",
+        "+task.model.after=10",
+        f"+task.model.ckpts={run / 'checkpoints'}",
+        f"+task.model.marker={marker}",
+        f"run.dir={run}",
+    ]
+    first = fw("train", *args, cwd=workdir)
+    assert first.returncode != 0 and marker.exists(), first.stderr[-3000:]
+    assert (run / "checkpoints" / "step00000010").is_dir()
+    assert [s for s, _ in metric_rows(run)] == list(range(10)), "rows up to the commit's step"
+    assert read_metrics(run)[-1].get("val/loss"), "the step's validation metrics too"
+    again = fw("train", *args, cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from" in again.stderr and "step00000010" in again.stderr, again.stderr[-3000:]
+    assert_same_as_reference(run, reference)
 
 
 def test_kill_during_a_save_leaves_no_damage(reference, workdir):
