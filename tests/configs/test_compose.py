@@ -10,7 +10,9 @@ from framework.config.store import CORE_SCHEMAS, plugin_schemas
 from framework.config.validate import validate
 from framework.errors import ConfigError
 
-OPTIONS = [(g, o) for g in GROUPS for o in group_options(g) if not (g == "logger" and o == "none")]
+# launcher=slurm validates only where sbatch is installed: both sides are tested on their own
+SKIPPED = {("logger", "none"), ("launcher", "slurm")}
+OPTIONS = [(g, o) for g in GROUPS for o in group_options(g) if (g, o) not in SKIPPED]
 # Options that need more than the defaults: fsdp_tp (fsdp x tp=2) two processes, hogwild the CPU
 # (accelerator auto is CUDA where a GPU is present).
 NEEDS = {
@@ -28,6 +30,17 @@ def test_every_option_composes_and_validates(group, option):
     OmegaConf.resolve(cfg)
     world = validate(cfg)
     assert world.world_size >= 1
+
+
+def test_launcher_slurm_composes_and_is_refused_where_sbatch_is_missing(monkeypatch, tmp_path):
+    """Without SLURM's client the job could not be submitted: refused before anything starts
+    (the validating side, with sbatch installed: tests/distributed/test_slurm.py)."""
+    cfg = compose_config(["launcher=slurm"])
+    OmegaConf.resolve(cfg)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no sbatch
+    with pytest.raises(ConfigError, match="sbatch is not on PATH") as info:
+        validate(cfg)
+    assert info.value.key.startswith("launcher")
 
 
 def test_fsdp_tp_on_one_process_is_refused():

@@ -211,6 +211,17 @@ def wait_for_rows(run: Path, rows: int, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
+def test_launcher_slurm_validates_where_sbatch_is_installed(cluster):
+    from omegaconf import OmegaConf
+
+    from framework.config.compose import compose_config
+    from framework.config.validate import validate
+
+    cfg = compose_config(["launcher=slurm"])
+    OmegaConf.resolve(cfg)
+    assert validate(cfg).world_size == 1
+
+
 def test_a_submitted_two_task_job_matches_the_local_launcher(cluster, workdir, local_run):
     (job,) = submit(["trainer.devices=2", *ARGS, "run.dir=job"], workdir)
     wait_until_done(job)
