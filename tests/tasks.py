@@ -446,7 +446,9 @@ class SlowSaveDigitsTask(DigitsTask):
 
 
 class StragglerDigitsTask(DigitsTask):
-    """Rank `slow_rank` computes (busy-waits) `step_sleep` seconds more in every training step."""
+    """Rank `slow_rank` computes (busy-waits) `step_sleep` CPU seconds more in every training
+    step. CPU time, not wall time: on a busy machine a wall-clock busy-wait gets a share of a core
+    only, and the CPU time is what the stragglers callback measures on the CPU."""
 
     def __init__(self, slow_rank: int = 1, step_sleep: float = 0.05, hidden: int = 32) -> None:
         super().__init__(hidden=hidden)
@@ -454,8 +456,8 @@ class StragglerDigitsTask(DigitsTask):
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.slow_rank:
-            end = time.perf_counter() + self.step_sleep
-            while time.perf_counter() < end:
+            end = time.thread_time() + self.step_sleep
+            while time.thread_time() < end:
                 pass
         return super().training_step(batch, batch_idx)
 

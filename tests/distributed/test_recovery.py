@@ -49,7 +49,9 @@ def test_a_hung_rank_ends_the_job_with_every_ranks_stack(workdir):
     ended = time.time()
     assert proc.returncode == 1, err[-3000:]
     hung = float((workdir / "hung").read_text())
-    assert ended - hung < timeout + 15, "the job ends soon after the hang timeout"
+    # The watchdog's message below proves it ended the job; the bound only rules out an end
+    # by some other timeout (gloo's is 30 min), so it leaves load plenty of room.
+    assert ended - hung < timeout + 60, "the job ends soon after the hang timeout"
     assert "the job hung: no training progress within launcher.hang_timeout_s=4" in err
     stacks = sorted((workdir / "run" / "stacks").glob("*/rank*.txt"))
     assert [p.name for p in stacks] == ["rank0.txt", "rank1.txt"], err[-3000:]
@@ -96,8 +98,10 @@ def test_a_worker_killed_without_restarts_ends_the_job_naming_it(workdir):
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         killed = time.monotonic()
-        err = proc.communicate(timeout=60)[1]
-        assert time.monotonic() - killed < 30, "the job ends within 30 s"
+        err = proc.communicate(timeout=150)[1]
+        # without the launcher stopping the other rank it would wait in gloo for 30 min; the
+        # bound leaves load plenty of room above the usual few seconds
+        assert time.monotonic() - killed < 90, "the job ends within 90 s"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -109,14 +113,19 @@ def test_a_worker_killed_without_restarts_ends_the_job_naming_it(workdir):
 
 
 def test_a_slow_rank_is_named_as_the_straggler(workdir):
+    # Rank 1 spends 0.3 CPU seconds more per step, many times a step of this task. With two
+    # ranks the median is their mean, so the ratio is 2s / (s + f) for the straggler's time s
+    # and the other's f: above 1.2 unless the other rank's batch (its own compute and data
+    # wait, which load can stretch) took 0.67 s, far from anything noise reaches.
     result = fw(
         "train",
         "task._target_=tests.tasks.StragglerDigitsTask",
         *DIGITS,
-        "+task.model.step_sleep=0.05",
+        "+task.model.step_sleep=0.3",
         "trainer.max_steps=12",
         "trainer.log_every_n_steps=1",
         "callbacks.stragglers.every_n_steps=4",
+        "callbacks.stragglers.threshold=1.2",
         "run.dir=run",
         cwd=workdir,
     )
@@ -127,7 +136,7 @@ def test_a_slow_rank_is_named_as_the_straggler(workdir):
     rows = [r for r in read_metrics(workdir / "run") if r.get("perf/slowest_rank")]
     assert int(rows[0]["step"]) == 3, "first compared after every_n_steps batches"
     assert {float(r["perf/slowest_rank"]) for r in rows} == {1.0}
-    assert min(float(r["perf/straggler_ratio"]) for r in rows) > 1.5
+    assert min(float(r["perf/straggler_ratio"]) for r in rows) > 1.2
 
 
 def test_kill_campaign_smoke_three_trials_resume_exactly():
