@@ -29,13 +29,71 @@ usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per
                                                   interval(1e-4, 1e-2))'; resumable, parallel
        fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]   write one plain state dict
        fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]     draw loss, speed, memory (runs overlaid)
-       fw --help | fw train --help
+       fw --help | fw COMMAND --help                       this text, or one command's usage and options
 
 Examples:
   fw train task=gpt strategy=ddp trainer.devices=2 trainer.max_steps=200 run.dir=runs/first
   fw train -m seed=1,2 trainer.devices=2
   fw config task=gpt
 """
+
+
+COMMAND_HELP = {
+    "config": """\
+usage: fw config [--config-dir DIR] [KEY=VALUE ...]
+
+Print the config `fw train` would run with these overrides, every field with its documentation.
+Nothing is started and nothing is written.
+  --config-dir DIR   another directory of config groups, searched before the built-in ones
+""",
+    "check": """\
+usage: fw check [--gpu-mem SIZE|GPU] [--ranks R,..] [--config-dir DIR] [KEY=VALUE ...]
+
+Run one training step of every rank of the job in this process (torch's fake backend, no real
+memory) and print each rank's memory: parameters, gradients, optimizer, activations.
+  --gpu-mem SIZE|GPU  simulate that CUDA device (80GB, H100, ...) and refuse a job that does
+                      not fit it (exit 2)
+  --ranks R,..        the ranks to simulate (default: the first and last of each pipeline
+                      stage)
+  --config-dir DIR    another directory of config groups
+""",
+    "plan": """\
+usage: fw plan --gpus N --gpu-mem SIZE|GPU [--config-dir DIR] [KEY=VALUE ...]
+
+List the layouts (fsdp x tp x pp ...) of the job over N GPUs that fit in each GPU's memory,
+best first, each checked as `fw check` would.
+  --gpus N            the number of GPUs
+  --gpu-mem SIZE|GPU  the memory of one GPU (80GB, H100, ...)
+  --config-dir DIR    another directory of config groups
+""",
+    "prepare": """\
+usage: fw prepare [--workers N] [--engine local|ray] [--config-dir DIR] [KEY=VALUE ...]
+
+Encode the task's data once, with its data module's prepare(workers) method (for example into
+task.data.prepared); a killed preparation resumes. See docs/data.md.
+  --workers N            processes (Ray: CPUs) that encode in parallel (default: all cores)
+  --engine local|ray     this machine, or Ray Data (a local cluster, or RAY_ADDRESS's)
+  --config-dir DIR       another directory of config groups
+""",
+    "export": """\
+usage: fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]
+
+Write one plain PyTorch state dict (parameter name -> tensor) from a run's last checkpoint or
+from the checkpoint directory given, whatever strategy wrote it.
+  --force   replace OUT.pt if it exists
+""",
+    "plot": """\
+usage: fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]
+
+Draw loss, speed and memory from each run's metrics.csv (several runs: overlaid).
+  --out FILE.png   where to write the picture (default: RUN_DIR/metrics.png; several runs:
+                   compare.png beside the first)
+""",
+}
+
+
+def wants_help(args: list[str]) -> bool:
+    return any(word in ("-h", "--help") for word in args)
 
 
 def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
@@ -92,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(USAGE)
         return 0 if argv else EXIT_CONFIG
     command, rest = argv[0], argv[1:]
+    if command in COMMAND_HELP and wants_help(rest):  # before anything is composed or read
+        sys.stdout.write(COMMAND_HELP[command])
+        return 0
     try:
         if command == "export":
             return export_command(rest)

@@ -94,3 +94,22 @@ def test_help_lists_groups_and_config_shows_descriptions():
     assert shown.returncode == 0
     assert "max_steps: -1  # Stop after this many optimizer steps" in shown.stdout
     assert "n_layer: 4  # int" in shown.stdout
+
+
+SUBCOMMANDS = ["train", "config", "export", "check", "plan", "plot", "prepare", "sweep"]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_answers_help_without_composing_a_job(
+    command, capsys, monkeypatch, tmp_path
+):
+    from framework.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for flag in ("--help", "-h"):
+        assert main([command, flag]) == 0, capsys.readouterr().err
+        out = capsys.readouterr()
+        assert out.out.startswith(f"usage: fw {command} "), out.out[:300]
+        assert out.err == "", "no error, no log of a job"
+        assert "rank  role" not in out.out and "_target_:" not in out.out, "no job was composed"
+    assert list(tmp_path.iterdir()) == [], "nothing written"
