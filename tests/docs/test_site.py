@@ -1,6 +1,8 @@
 """The documentation site builds in strict mode (mkdocs.yml), and strict mode does fail: a broken
 link, a missing anchor or an API reference to an object that does not exist, put into a copy of
-the docs, stops the build and is named in its output."""
+the docs, stops the build and is named in its output. What strict mode cannot see is read from
+the built pages with an HTML parser: a table cut in two by a blank line (its rows then render as
+paragraphs of `|` text), a code fence left open (shown as text), an image whose file is missing."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -27,14 +30,106 @@ def build(root: Path, site: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_site_builds_strictly(tmp_path):
-    result = build(REPO, tmp_path / "site")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site") / "site"
+    result = build(REPO, out)
     assert result.returncode == 0, result.stderr[-3000:]  # needs the docs extra: make install
-    home = (tmp_path / "site" / "index.html").read_text()
+    return out
+
+
+def test_the_site_builds_strictly(site):
+    home = (site / "index.html").read_text()
     assert "5-minute tour" in home, "README.md is the home page"
-    api = (tmp_path / "site" / "docs" / "api" / "task" / "index.html").read_text()
+    api = (site / "docs" / "api" / "task" / "index.html").read_text()
     assert 'id="framework.task.TaskModule"' in api, "the API reference is rendered"
-    assert (tmp_path / "site" / "search" / "search_index.json").is_file()
+    assert (site / "search" / "search_index.json").is_file()
+
+
+IMAGE_STARTS = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF8", b"<svg", b"<?xml")
+
+
+def is_image(path: Path) -> bool:
+    """A file whose first bytes are those of a PNG, JPEG, GIF or SVG image."""
+    try:
+        with path.open("rb") as fh:
+            return fh.read(16).lstrip().startswith(IMAGE_STARTS)
+    except OSError:
+        return False
+
+
+class PageReader(HTMLParser):
+    """What reads badly on one built page: paragraphs that are table rows, fences shown as
+    text, images whose file is not in the site."""
+
+    def __init__(self, page: Path) -> None:
+        super().__init__()
+        self.page, self.problems = page, []
+        self.code = 0  # depth inside <pre>/<code>
+        self.paragraph: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("pre", "code"):
+            self.code += 1
+        elif tag == "p":
+            self.paragraph = []
+        elif tag == "img":
+            src = dict(attrs).get("src") or ""
+            local = src.split("#")[0].split("?")[0]
+            if not local.startswith(("http:", "https:", "data:")) and not is_image(
+                self.page.parent / local
+            ):
+                self.problems.append(f"image {src!r} does not load")
+
+    def handle_endtag(self, tag):
+        if tag in ("pre", "code"):
+            self.code -= 1
+        elif tag == "p" and self.paragraph is not None:
+            text = "".join(self.paragraph).strip()
+            if text.startswith("|"):
+                self.problems.append(f"a table row rendered as a paragraph: {text[:60]!r}")
+            self.paragraph = None
+
+    def handle_data(self, data):
+        if self.paragraph is not None:
+            self.paragraph.append(data)
+        if self.code:
+            return
+        if "```" in data or "~~~" in data:
+            self.problems.append(f"a code fence shown as text (left open?): {data.strip()[:60]!r}")
+
+
+def site_problems(site: Path) -> list[str]:
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        reader = PageReader(page)
+        reader.feed(page.read_text())
+        found += [f"{page.relative_to(site)}: {p}" for p in reader.problems]
+    return found
+
+
+def test_every_page_reads_as_written(site):
+    assert site_problems(site) == []
+
+
+def test_a_cut_table_an_open_fence_and_a_missing_image_are_named(tmp_path):
+    root = copy_of_the_docs(tmp_path)
+    strategies = root / "docs" / "strategies.md"
+    lines = strategies.read_text().splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("| `tensor`"))
+    strategies.write_text("\n".join([*lines[:row], "", *lines[row:]]) + "\n")
+    # strict mode checks a Markdown image's file, not raw HTML's, nor that the file is an image
+    (root / "docs" / "img" / "memory.png").write_bytes(b"")
+    concepts = root / "docs" / "concepts.md"
+    concepts.write_text(f'{concepts.read_text()}\n<img src="no_such_plot.png" alt="a plot">\n')
+    data = root / "docs" / "data.md"
+    data.write_text(f"{data.read_text()}\n```python\nprint('never closed')\n")
+    assert build(root, tmp_path / "site").returncode == 0, "strict mode sees none of these"
+    found = "\n".join(site_problems(tmp_path / "site"))
+    assert "docs/strategies/index.html: a table row rendered as a paragraph: '| tensor |" in found
+    assert "docs/concepts/index.html: image 'no_such_plot.png' does not load" in found, found
+    assert "docs/benchmarks/index.html: image '../img/memory.png' does not load" in found, found
+    assert "docs/data/index.html: a code fence shown as text" in found, found
 
 
 def copy_of_the_docs(tmp_path: Path) -> Path:
