@@ -3,7 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# DeepSpeed's CPU accelerator only where no NVIDIA GPU is present: a CUDA job must not inherit it
+# (framework/strategies/deepspeed also replaces an inherited `cpu` on CUDA, and sets it per CPU job).
+ifeq ($(wildcard /dev/nvidia0),)
 export DS_ACCELERATOR ?= cpu
+endif
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: install run test test-fast lint format bench bench-gpu docs docs-serve clean

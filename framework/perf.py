@@ -12,11 +12,14 @@ import re
 
 from framework.errors import ConfigError
 
-# name: (dense bf16 TFLOP/s, memory in GB as sold). Matched against torch's device name, longest
-# name first (so "H100 PCIe" wins over "H100").
-GPUS: dict[str, tuple[float, float]] = {
+# name: (dense bf16 TFLOP/s, memory in GB as sold). A name matches torch's device name when its
+# words appear there in a row, whole ("L4" is not in "NVIDIA L40"); the longest name that
+# matches wins ("H100 NVL" over "H100"). V100 has no bf16 tensor cores, so no bf16 peak (None):
+# its 125 TFLOP/s are fp16; set trainer.peak_tflops=125 for MFU under 16-mixed.
+GPUS: dict[str, tuple[float | None, float]] = {
     "H200": (989.0, 141.0),
     "H100 PCIe": (756.0, 80.0),
+    "H100 NVL": (835.0, 94.0),
     "H100": (989.0, 80.0),
     "H800": (989.0, 80.0),
     "GH200": (989.0, 96.0),
@@ -25,10 +28,11 @@ GPUS: dict[str, tuple[float, float]] = {
     "A100": (312.0, 80.0),
     "A800": (312.0, 80.0),
     "L40S": (362.0, 48.0),
+    "L40": (181.0, 48.0),
     "L4": (121.0, 24.0),
     "A10G": (70.0, 24.0),
     "A10": (125.0, 24.0),
-    "V100": (125.0, 32.0),
+    "V100": (None, 32.0),
     "RTX 4090": (165.0, 24.0),
     "RTX 3090": (71.0, 24.0),
 }
@@ -36,17 +40,23 @@ GPUS: dict[str, tuple[float, float]] = {
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
+def _words(name: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", name.lower())
+
+
 def known_gpu(name: str) -> str | None:
     """The key of GPUS that `name` (e.g. "NVIDIA H100 80GB HBM3") refers to, or None."""
-    lowered = name.lower()
-    for key in sorted(GPUS, key=len, reverse=True):
-        if key.lower() in lowered:
+    words = _words(name)
+    for key in sorted(GPUS, key=lambda k: len(_words(k)), reverse=True):
+        want = _words(key)
+        if any(words[i : i + len(want)] == want for i in range(len(words) - len(want) + 1)):
             return key
     return None
 
 
 def peak_tflops(name: str) -> float | None:
-    """Dense bf16 peak of the GPU called `name`, or None for an unknown device (and the CPU)."""
+    """Dense bf16 peak of the GPU called `name`, or None for an unknown device, the CPU, and a
+    GPU without bf16 tensor cores (V100)."""
     key = known_gpu(name)
     return GPUS[key][0] if key else None
 

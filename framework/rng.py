@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger("framework.rng")
 
 
 def capture() -> dict[str, Any]:
@@ -24,7 +27,9 @@ def capture() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # this process's device only: a resume may see other GPUs, or fewer, or map ranks to
+        # devices differently
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -38,4 +43,21 @@ def restore(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        restore_cuda(state["cuda"])
+
+
+def restore_cuda(saved: torch.Tensor | list[torch.Tensor]) -> None:
+    """Put this process's device's generator back. Older checkpoints hold a list, every GPU the
+    saving process saw: the entry of this device's index is taken, if the list has one."""
+    device = torch.cuda.current_device()
+    if isinstance(saved, (list, tuple)):
+        if device >= len(saved):
+            log.warning(
+                "The checkpoint holds CUDA generator states of %d devices, none for cuda:%d: "
+                "its generator keeps the state the job's seed gave it.",
+                len(saved),
+                device,
+            )
+            return
+        saved = saved[device]
+    torch.cuda.set_rng_state(saved, device)

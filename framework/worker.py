@@ -62,6 +62,7 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
 
     rank_zero_only.rank = world.rank
     limit_threads(world)
+    use_tf32(world, str(cfg.trainer.precision))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = build_task(cfg.task)
     data = instantiate_args(cfg.task.data)
@@ -187,12 +188,27 @@ def close_process_group() -> None:
 
 
 def limit_threads(world: World) -> None:
-    """Share the CPU cores between the local processes instead of oversubscribing them."""
-    if world.is_cuda or "OMP_NUM_THREADS" in os.environ:
+    """Share the CPU cores between the local processes instead of oversubscribing them: each
+    would otherwise start one thread per core. On CUDA too, where torchrun would set 1 (with
+    several processes): a share keeps the CPU's own work (DeepSpeed's and FSDP's offloaded
+    optimizer steps) fast. OMP_NUM_THREADS, when set (by the user, or torchrun), wins."""
+    if "OMP_NUM_THREADS" in os.environ:
         return
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world.devices)))
+
+
+def use_tf32(world: World, precision: str) -> None:
+    """On CUDA under full fp32 precision, float32 matmuls run on TF32 tensor cores (10-bit
+    mantissa, fp32 range; about 8x the fp32 rate on A100 and H100), as nanoGPT and litgpt set
+    it: training quality is the same in practice. `NVIDIA_TF32_OVERRIDE=0` keeps strict fp32.
+    Under mixed precision autocast covers the matmuls, and those left in fp32 on purpose (MoE
+    router scores) stay strict."""
+    if world.is_cuda and precision in ("32-true", "32"):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = True  # cuDNN's convolutions already use TF32
 
 
 def instantiate_args(node: DictConfig, **extra: Any) -> Any:

@@ -15,9 +15,28 @@ FW = Path(sys.executable).parent / "fw"
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
+# True while a test marked `gpu` runs (set by the `pin_cpu` fixture); every other test, and the
+# session fixtures that make shared reference runs, are pinned to the CPU.
+GPU_TEST = False
+
+
+def device_env(env: dict[str, str], gpu: bool) -> dict[str, str]:
+    """`env` for a process started by a test. Not marked `gpu`: on the CPU also on a GPU machine
+    (GPUs hidden, so trainer.accelerator=auto is the CPU; DeepSpeed on its CPU accelerator), as
+    the bitwise comparisons, gloo assertions and trainer.devices=2 layouts of the suite assume.
+    Marked `gpu`: the GPUs as they are, and no inherited DS_ACCELERATOR=cpu."""
+    env = dict(env)
+    if gpu:
+        if env.get("DS_ACCELERATOR") == "cpu":
+            del env["DS_ACCELERATOR"]
+    else:
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    return env
+
+
 def fw_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(WANDB_MODE="disabled", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env = device_env(dict(os.environ), GPU_TEST)
+    env.update(WANDB_MODE="disabled", PYTHONPATH=str(REPO))
     env.pop("WANDB_API_KEY", None)
     for key in (
         "RANK",
@@ -84,6 +103,23 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def pin_cpu(request, monkeypatch) -> None:
+    """A test not marked `gpu` runs on the CPU, in this process too: GPUs hidden from what it
+    starts (`device_env`), and CUDA reported absent to the framework and Lightning here."""
+    gpu = request.node.get_closest_marker("gpu") is not None
+    monkeypatch.setattr(sys.modules[__name__], "GPU_TEST", gpu)
+    if gpu:
+        if os.environ.get("DS_ACCELERATOR") == "cpu":
+            monkeypatch.delenv("DS_ACCELERATOR")
+        return
+    import torch
+
+    for name, value in device_env({}, gpu=False).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture

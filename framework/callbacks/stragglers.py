@@ -7,10 +7,13 @@ Every `every_n_steps` batches the ranks compare their mean times; the slowest ra
 to the median are logged (`perf/slowest_rank`, `perf/straggler_ratio`), a rank above
 `threshold` x the median is named in the console, and a table of every rank ends the run.
 
-On CUDA the step's compute runs on the GPU, so the wall time from the batch start to the backward
-is used instead: collectives inside the forward (FSDP and tensor-parallel all-gathers, metrics
-logged with sync_dist) make the waiting ranks look slow too and the ratio understates the
-straggler. One process: nothing to compare.
+On CUDA the step's compute runs on the GPU, so the host's wall clock from the batch start to the
+backward is used instead. It is host time, not GPU time: kernels are queued asynchronously, so it
+measures how long the host took to queue the forward plus any wait for the GPU (a full launch
+queue, a value read back such as a logged metric), and follows a slow GPU only where the host
+waits for it. Collectives inside the forward (FSDP and tensor-parallel all-gathers, metrics
+logged with sync_dist) make the waiting ranks look slow too. On CUDA the ratio is a rough sign,
+not a measurement. One process: nothing to compare.
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ class Config:
     )
     start_method: str = doc(
         "auto",
-        "fork: workers are copies of the fw process (no second import of torch and Lightning); "
-        "spawn: fresh interpreters; auto: fork on CPU, spawn on CUDA.",
+        "fork: workers are copies of the fw process (no second import of torch and Lightning; "
+        "CPU only); spawn: fresh interpreters; auto: fork on CPU, spawn on CUDA.",
         ("auto", "fork", "spawn"),
     )
 
@@ -94,6 +94,15 @@ class WorkersPreempted(RuntimeError):
 
 
 def validate(cfg: Config, world: World) -> None:
+    if cfg.start_method == "fork" and world.is_cuda:
+        # The fw process has asked torch about CUDA (validation, device counts); CUDA cannot be
+        # initialized again in a process forked after that, so every worker would fail.
+        raise ConfigError(
+            "launcher.start_method",
+            cfg.start_method,
+            "forked workers cannot use CUDA once the fw process has initialized it",
+            ["auto", "spawn"],
+        )
     if world.num_nodes > 1:
         host, _, port = cfg.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or int(port) == 0:

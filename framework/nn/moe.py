@@ -18,6 +18,7 @@ the same for any degree, so are the losses (dropless routing, fp32 scores).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -77,7 +78,8 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate weights [T, k] in fp32 or wider, expert ids [T, k]) for tokens x [T, dim]."""
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
-        logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
+        with no_autocast(x.device.type):  # autocast would run it in bf16 whatever its inputs
+            logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
         if self.routing == "round_robin":  # balanced by construction (communication benchmarks)
@@ -287,3 +289,11 @@ class MoETransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.moe(self.ln2(x))
+
+
+def no_autocast(device_type: str):
+    """Autocast off for the enclosed ops where it can be on (not on the meta device, which has
+    none): the router's scores are fp32 as documented, also under bf16-mixed and 16-mixed."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

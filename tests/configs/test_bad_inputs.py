@@ -170,6 +170,16 @@ CASES = {
         ["experiment=moe_gpt_tiny", "strategy=zero2", "strategy.ep=2", "trainer.devices=2"],
         "strategy.ep=2: expert parallel is not offered on DeepSpeed ZeRO",
     ),
+    "fp16 autocast under a pipeline": (
+        ["strategy=pipeline", "trainer.devices=2", "trainer.precision=16-mixed"],
+        "trainer.precision=16-mixed: fp16 loss scaling is not applied by the parallel strategies "
+        "(FSDP2, tensor and pipeline parallel; under a pipeline the gradients would be 65536x too "
+        "small). Valid choices: bf16-mixed, 32-true, bf16-true, 16-true.",
+    ),
+    "fp64 under FSDP2": (
+        ["strategy=fsdp", "trainer.devices=2", "trainer.precision=64-true"],
+        "trainer.precision=64-true: not offered by the parallel strategies",
+    ),
     "aux loss under a pipeline": (
         [
             "experiment=moe_gpt_tiny",

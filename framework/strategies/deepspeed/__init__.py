@@ -12,7 +12,9 @@ CUDA (NCCL) and, for tests and laptops, on the CPU (gloo).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ from framework.errors import ConfigError
 from framework.world import World, collective_backend
 
 OFFLOAD = ("none", "cpu", "nvme")
+log = logging.getLogger("framework.deepspeed")
 
 
 @dataclass
@@ -117,8 +120,7 @@ def check_move(cfg: Config, source: str) -> None:
 
 def async_io_available(world: World) -> bool:
     """Whether DeepSpeed can build its async_io op (NVMe offload), checked without building it."""
-    if not world.is_cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    select_accelerator(world)
     import contextlib
     import io
     import logging
@@ -130,14 +132,34 @@ def async_io_available(world: World) -> bool:
         return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
-def deepspeed_config(cfg: Config) -> dict[str, Any]:
-    """The DeepSpeed JSON config generated from the typed fields (Lightning adds batch sizes)."""
+def select_accelerator(world: World, environ: MutableMapping[str, str] = os.environ) -> str:
+    """Set DS_ACCELERATOR, which DeepSpeed reads once, at its first use, to this job's device.
+
+    On the CPU `cpu` (unless set: it also silences DeepSpeed's detection warning). On CUDA an
+    inherited `cpu` (the test suite's and the Makefile's CPU default, exported in a shell) would
+    put the engine's module on the CPU while Lightning feeds CUDA batches: it becomes `cuda`.
+    Any other value the user set is kept. Returns the value in effect."""
+    if not world.is_cuda:
+        return environ.setdefault("DS_ACCELERATOR", "cpu")
+    if environ.get("DS_ACCELERATOR") == "cpu":
+        log.info("DS_ACCELERATOR=cpu inherited by a CUDA job: DeepSpeed uses cuda instead.")
+        environ["DS_ACCELERATOR"] = "cuda"
+    return environ.get("DS_ACCELERATOR", "")
+
+
+def deepspeed_config(cfg: Config, cuda: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON config generated from the typed fields (Lightning adds batch sizes).
+
+    On CUDA the gradient reduction overlaps the backward and offloaded state sits in pinned
+    (page-locked) host memory, DeepSpeed's advice for speed: copies to and from pinned memory
+    run asynchronously at full PCIe bandwidth. On the CPU both are off: there is no separate
+    stream to overlap with, nothing to pin for, and the CPU tests compare losses with ddp's."""
     zero: dict[str, Any] = {
         "stage": cfg.stage,
         "reduce_bucket_size": cfg.bucket_size,
         "allgather_bucket_size": cfg.bucket_size,
         "contiguous_gradients": True,
-        "overlap_comm": False,
+        "overlap_comm": cuda,
     }
     if cfg.stage == 3:
         zero["stage3_param_persistence_threshold"] = cfg.param_persistence_threshold
@@ -146,7 +168,7 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
         ("offload_param", cfg.offload_params),
     ):
         if where != "none":
-            zero[key] = {"device": where, "nvme_path": cfg.nvme_path, "pin_memory": False}
+            zero[key] = {"device": where, "nvme_path": cfg.nvme_path, "pin_memory": cuda}
     config = {
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
@@ -169,8 +191,7 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(cfg: Config, world: World, inputs):
-    if not world.is_cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    select_accelerator(world)  # before anything imports deepspeed in this process
     from framework.strategies.deepspeed.strategy import make_strategy
 
-    return make_strategy(deepspeed_config(cfg), cfg, world, inputs)
+    return make_strategy(deepspeed_config(cfg, world.is_cuda), cfg, world, inputs)

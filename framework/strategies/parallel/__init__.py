@@ -130,6 +130,7 @@ def validate(cfg: Config, world: World, job: Any) -> None:
             "offloading to the CPU needs the job to run on CUDA",
             ["false"],
         )
+    checks.precision(job.trainer.precision)
     checks.plan_syntax(cfg.tp_plan)
     warn_unused(cfg, dims)
     if dims.pp > 1:

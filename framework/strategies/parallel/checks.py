@@ -15,6 +15,7 @@ from framework.errors import ConfigError
 from framework.parallel.dims import ParallelDims
 
 log = logging.getLogger("framework.parallel")
+MESH_PRECISIONS = ("bf16-mixed", "32-true", "bf16-true", "16-true", "32")  # "32" is 32-true
 
 
 def plan_syntax(tp_plan: list[str]) -> None:
@@ -196,6 +197,21 @@ def pipeline_settings(cfg: Any, dims: ParallelDims, job: Any) -> None:
             hint="pip install matplotlib (the project's `bench` extra), or leave trace off.",
         )
     layers(cfg, dims, job)
+
+
+def precision(value: str) -> None:
+    """The precisions Lightning's ModelParallelStrategy, this strategy's base, takes: it refuses
+    the others in every worker, after launch. Were 16-mixed let through, a pipeline's backward
+    would skip its fp16 loss scaling (gradients 65536x too small)."""
+    if value in MESH_PRECISIONS:
+        return
+    problem = (
+        "fp16 loss scaling is not applied by the parallel strategies (FSDP2, tensor and "
+        "pipeline parallel; under a pipeline the gradients would be 65536x too small)"
+        if value == "16-mixed"
+        else "not offered by the parallel strategies (Lightning's ModelParallelStrategy)"
+    )
+    raise ConfigError("trainer.precision", value, problem, MESH_PRECISIONS[:-1], near="")
 
 
 def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
