@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             ["train", "sweep", "prepare", "check", "plan", "config", "export", "plot"],
         )
     except ConfigError as err:
-        sys.stderr.write(f"error: {err}\n")
+        from framework.secrets import redact_text
+
+        sys.stderr.write(f"error: {redact_text(str(err))}\n")
         return EXIT_CONFIG
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from framework import secrets
 from framework.config.compose import GROUPS, compose_config, group_options
 from framework.config.fields import field_help
 
 
 def train_help(extra_dirs: list[Path] | None = None) -> str:
     lines = [
-        "usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]",
+        "usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]",
+        "",
+        "  -m, --multirun    one job per value of each swept key (KEY=a,b)",
+        "  --config-dir DIR  another directory of config groups, searched before the built-in ones",
+        "  --trust           resume from a checkpoint whose pickles name more than data (refused",
+        "                    otherwise: loading it could run code; see docs/security.md)",
         "",
         "Config groups (choose one option with GROUP=OPTION; logger takes a list: logger=[csv]):",
     ]
@@ -35,10 +42,11 @@ def train_help(extra_dirs: list[Path] | None = None) -> str:
 def show_config(overrides: list[str], extra_dirs: list[Path] | None = None) -> str:
     """The composed config as YAML, each field followed by its description."""
     cfg = compose_config(overrides, extra_dirs)
-    return "\n".join(render(cfg, 0, None)) + "\n"
+    pattern = secrets.key_pattern(cfg.run.secret_keys)
+    return secrets.redact_text("\n".join(render(cfg, 0, None, pattern)) + "\n")
 
 
-def render(node: Any, indent: int, owner: Any) -> list[str]:
+def render(node: Any, indent: int, owner: Any, pattern: re.Pattern[str]) -> list[str]:
     schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
     described = dataclasses.is_dataclass(schema)
     signature = _signature(node) if isinstance(node, DictConfig) else {}
@@ -50,13 +58,16 @@ def render(node: Any, indent: int, owner: Any) -> list[str]:
         comment = f"  # {help_text}" if help_text else ""
         if isinstance(child, DictConfig) and len(child):
             lines.append(f"{pad}{key}:{comment}")
-            lines += render(child, indent + 1, node)
+            lines += render(child, indent + 1, node, pattern)
         else:
             value = (
                 child._value()
                 if not isinstance(child, (DictConfig, ListConfig))
                 else OmegaConf.to_container(child)
             )
+            if secrets.is_secret_key(key, pattern) and value not in (None, ""):
+                # printed: a credential never is; `${oc.env:NAME}` says where it comes from
+                value = value if OmegaConf.is_interpolation(node, key) else secrets.REDACTED
             text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
             text = text.removesuffix("\n...").removesuffix("...").strip()
             lines.append(f"{pad}{key}: {text}{comment}")

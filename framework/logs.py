@@ -12,19 +12,14 @@ NOISE = ("💡 Tip:",)
 
 
 class _ScrubSecrets(logging.Filter):
-    """Replace credential values (environment, secret config values) in every message."""
+    """Replace URL passwords and credential values (environment, the secret config values the
+    workers are handed) in every message."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        import json
-        import os
+        from framework.secrets import redact_text
 
-        from framework.secrets import ENV, environment_credentials, scrub
-
-        values = environment_credentials()
-        values |= {str(v) for v in json.loads(os.environ.get(ENV, "{}")).values()}
-        if values:
-            record.msg = scrub(record.getMessage(), values)
-            record.args = ()
+        record.msg = redact_text(record.getMessage())
+        record.args = ()
         return True
 
 

@@ -1,17 +1,22 @@
-"""Secrets never reach disk or the console: one redaction for everything the framework or
-Lightning writes (config.yaml, checkpoint hyperparameters, logger hyperparameters, log lines,
+"""Secrets never reach disk or the console: one redactor for everything the framework or
+Lightning writes or prints (config.yaml, meta.json, run.json, checkpoint and logger
+hyperparameters, W&B's config and command line, sweep logs and study attributes, log lines,
 error messages).
 
-A value is secret when its config key looks like a credential (`token`, `api_key`, `secret`,
-`password`, `credential`, ... or the extra names in `run.secret_keys`), or when it is the value
-of a credential environment variable (`WANDB_API_KEY`, any `*_TOKEN`, `*_SECRET*`, ...).
-Secret keys are shown as `'***'`; secret values are also replaced wherever else they appear as
-text (a hyperparameter under another name, a log line). The running task still receives the
-real value.
+It knows three kinds of secret:
+- a value under a config key that looks like a credential (`token`, `api_key`, `secret`,
+  `password`, `credential`, ... or the extra names in `run.secret_keys`), shown as `'***'`;
+- the password of a URL (`scheme://user:password@host`), wherever it appears as text;
+- the value of a credential environment variable (`WANDB_API_KEY`, `HF_TOKEN`, any `*_TOKEN`,
+  `*_KEY`, `*_SECRET*`, `*_PASSWORD`, ...), and the secret config values the framework hands its
+  workers (ENV), wherever they appear as text: a value resolved from `${oc.env:HF_TOKEN}` under
+  any key, a hyperparameter under another name, a log line, a command line.
+The running task still receives the real values (ENV carries them past config.yaml).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -20,8 +25,12 @@ from typing import Any
 REDACTED = "***"
 ENV = "FW_SECRET_VALUES"  # the secret config values, handed to the workers outside config.yaml
 WORDS = ("api[_-]?key", "token", "secret", "password", "passwd", "credential", "private[_-]?key")
-ENV_WORDS = (*WORDS, "auth")
+# environment variable names: the key words, `auth`, and a name ending in KEY (OPENAI_KEY, ...)
+ENV_NAME = re.compile("|".join((*WORDS, "auth", r"(^|_)KEY$")), re.IGNORECASE)
 MIN_LENGTH = 6  # shorter values are not scrubbed from free text (too many false hits)
+# `scheme://user:password@host`: the password ends at '@'; a '/' first means a port and a path
+# (`http://host:8080/a@b`), not a password
+URL_PASSWORD = re.compile(r"(\b[A-Za-z][\w+.-]*://[^\s:/@]*:)([^\s@/]+)(?=@)")
 
 
 def key_pattern(extra: Iterable[str] = ()) -> re.Pattern[str]:
@@ -36,20 +45,48 @@ def is_secret_key(key: Any, pattern: re.Pattern[str] = SECRET) -> bool:
     return bool(pattern.search(str(key)))
 
 
-def redact(node: Any, pattern: re.Pattern[str] = SECRET) -> Any:
-    """A copy of a config container with the values of secret-looking keys replaced."""
+def redact(
+    node: Any, pattern: re.Pattern[str] = SECRET, values: Iterable[str] | None = None
+) -> Any:
+    """A copy of a config container as it may be written: the values of secret-looking keys
+    replaced, URL passwords and secret `values` (default: the environment's credentials)
+    scrubbed from every string."""
+    values = environment_credentials() if values is None else values
+    return scrub(_redact_keys(node, pattern), values)
+
+
+def _redact_keys(node: Any, pattern: re.Pattern[str]) -> Any:
     if isinstance(node, Mapping):
         return {
             k: (
                 REDACTED
                 if is_secret_key(k, pattern) and v not in (None, "")
-                else redact(v, pattern)
+                else _redact_keys(v, pattern)
             )
             for k, v in node.items()
         }
     if isinstance(node, (list, tuple)):
-        return type(node)(redact(v, pattern) for v in node)
+        return type(node)(_redact_keys(v, pattern) for v in node)
     return node
+
+
+def redact_text(text: str, values: Iterable[str] | None = None) -> str:
+    """`text` as it may be printed or written: URL passwords and secret `values` (default: the
+    environment's credentials) replaced by '***'."""
+    return scrub(text, environment_credentials() if values is None else values)
+
+
+def redact_words(
+    words: Iterable[str], pattern: re.Pattern[str] = SECRET, values: Iterable[str] | None = None
+) -> list[str]:
+    """Command-line words as they may be shown: the value of a secret-looking `KEY=VALUE`
+    replaced (whatever its length), then as `redact_text`."""
+    values = environment_credentials() if values is None else set(values)
+    shown = []
+    for word in words:
+        key, eq, _ = word.partition("=")
+        shown.append(f"{key}={REDACTED}" if eq and is_secret_key(key, pattern) else word)
+    return [redact_text(w, values) for w in shown]
 
 
 def values_under_secret_keys(node: Any, pattern: re.Pattern[str] = SECRET) -> set[str]:
@@ -67,24 +104,53 @@ def values_under_secret_keys(node: Any, pattern: re.Pattern[str] = SECRET) -> se
     return found
 
 
+def secret_values(plain: Any, pattern: re.Pattern[str] = SECRET) -> set[str]:
+    """Every value never to write for a config: those under secret keys, the passwords of its
+    URLs, and the environment's credentials."""
+    passwords = {m.group(2) for text in _strings(plain) for m in URL_PASSWORD.finditer(text)}
+    return values_under_secret_keys(plain, pattern) | passwords | environment_credentials()
+
+
+def _strings(node: Any) -> Iterable[str]:
+    return (v for v in _leaves(node) if isinstance(v, str))
+
+
+def _leaves(node: Any) -> Iterable[Any]:
+    if isinstance(node, Mapping):
+        for v in node.values():
+            yield from _leaves(v)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            yield from _leaves(v)
+    else:
+        yield node
+
+
 def environment_credentials(environ: Mapping[str, str] | None = None) -> set[str]:
-    """Values of environment variables that hold credentials (by name)."""
+    """Values of environment variables that hold credentials (by name), and the secret config
+    values the framework hands its workers (ENV)."""
     environ = os.environ if environ is None else environ
-    pattern = re.compile("|".join(ENV_WORDS), re.IGNORECASE)
-    return {v for k, v in environ.items() if pattern.search(k) and len(v) >= MIN_LENGTH}
+    found = {v for k, v in environ.items() if ENV_NAME.search(k) and len(v) >= MIN_LENGTH}
+    try:
+        handed = json.loads(environ.get(ENV, "{}"))
+    except ValueError:
+        handed = {}
+    found.discard(environ.get(ENV, ""))  # its name says secret; its values count one by one
+    handed_values = {str(v) for v in _leaves(list(handed.values())) if v is not None}
+    passwords = {m.group(2) for v in handed_values for m in URL_PASSWORD.finditer(v)}
+    return found | handed_values | passwords
 
 
 def scrub(obj: Any, values: Iterable[str]) -> Any:
-    """A copy of `obj` (containers of strings and numbers) with every occurrence of a secret
-    value in its strings replaced by '***'."""
+    """A copy of `obj` (containers of strings and numbers) with URL passwords and every
+    occurrence of a secret value in its strings replaced by '***'."""
     values = sorted((v for v in set(values) if len(v) >= MIN_LENGTH), key=len, reverse=True)
-    if not values:
-        return obj
     return _scrub(obj, values)
 
 
 def _scrub(obj: Any, values: list[str]) -> Any:
     if isinstance(obj, str):
+        obj = URL_PASSWORD.sub(rf"\1{REDACTED}", obj)
         for value in values:
             obj = obj.replace(value, REDACTED)
         return obj
@@ -97,4 +163,4 @@ def _scrub(obj: Any, values: list[str]) -> Any:
 
 def clean(params: Any, values: Iterable[str], pattern: re.Pattern[str] = SECRET) -> Any:
     """Hyperparameters as they may be written: secret keys redacted, secret values scrubbed."""
-    return scrub(redact(dict(params) if isinstance(params, Mapping) else params, pattern), values)
+    return redact(dict(params) if isinstance(params, Mapping) else params, pattern, values)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from framework.secrets import REDACTED, SECRET
+from framework import secrets
 
 log = logging.getLogger("framework.wandb")
 
@@ -244,7 +246,7 @@ def init_run(cfg, ctx, mode: str):
     settings = wandb.Settings(
         init_timeout=cfg.init_timeout, disable_code=True, disable_git=True, silent=True
     )
-    with redacted_argv():
+    with redacted_argv(secrets.key_pattern(ctx.secret_keys), ctx.secret_values):
         if mode == "online":
             try:
                 return wandb.init(mode="online", settings=settings, **args)
@@ -256,15 +258,11 @@ def init_run(cfg, ctx, mode: str):
 
 
 @contextlib.contextmanager
-def redacted_argv():
-    """W&B records the command line: hide values of secret-looking `key=value` arguments."""
+def redacted_argv(pattern: re.Pattern[str], values: Iterable[str]):
+    """W&B records the command line: show it with secrets replaced (by key, including
+    run.secret_keys; URL passwords; secret values)."""
     saved = list(sys.argv)
-    sys.argv = [
-        f"{a.partition('=')[0]}={REDACTED}"
-        if "=" in a and SECRET.search(a.partition("=")[0])
-        else a
-        for a in saved
-    ]
+    sys.argv = secrets.redact_words(saved, pattern, values)
     try:
         yield
     finally:

@@ -1,0 +1,74 @@
+"""The one redactor: secret keys (and run.secret_keys), URL passwords and credential values from
+the environment, in configs, text and command lines; the W&B command line; `fw config`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from framework import secrets
+from framework.loggers._wandb import redacted_argv
+
+PASSWORD = "pw-7f3a9c1e"
+TOKEN = "hf_5e2b8d41c0"
+
+
+def test_a_url_password_is_replaced_under_any_key():
+    cfg = {"callbacks": {"pruning": {"storage": f"postgresql://fw:{PASSWORD}@db:5432/optuna"}}}
+    out = secrets.redact(cfg, values=())
+    assert out["callbacks"]["pruning"]["storage"] == "postgresql://fw:***@db:5432/optuna"
+    # a port and a path are not a password; a user with no password has nothing to hide
+    for text in ("http://host:8080/a@b", "s3://bucket@host/x", "no url here"):
+        assert secrets.redact_text(text, ()) == text
+    assert PASSWORD in secrets.secret_values(cfg), "scrubbed elsewhere too (a log line)"
+
+
+def test_a_credential_from_the_environment_is_scrubbed_wherever_it_appears(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("OPENAI_KEY", "sk-0123456789")
+    cfg = {"extra": {"note": TOKEN, "cmd": f"login --with {TOKEN}", "key": "sk-0123456789"}}
+    out = secrets.redact(cfg)
+    assert out == {"extra": {"note": "***", "cmd": "login --with ***", "key": "***"}}
+    assert secrets.redact_text(f"[fw] got {TOKEN}") == "[fw] got ***"
+
+
+def test_values_handed_to_the_workers_are_credentials_there(monkeypatch):
+    """The worker restores the secret values config.yaml leaves out (ENV): the meta.json and
+    W&B config it derives from them are scrubbed of them too."""
+    handed = {"extra.note": "the-value-42", "callbacks.pruning.storage": f"mysql://u:{PASSWORD}@h"}
+    monkeypatch.setenv(secrets.ENV, json.dumps(handed))
+    found = secrets.environment_credentials()
+    assert {"the-value-42", PASSWORD} <= found
+    assert json.dumps(handed) not in found
+
+
+def test_command_lines_hide_secret_keys_urls_and_values(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    words = ["+extra.api_token=S", "+extra.note=" + TOKEN, "+extra.pin=1234", "lr=0.1"]
+    words += [f"--storage=postgresql://u:{PASSWORD}@h/d"]
+    shown = secrets.redact_words(words, secrets.key_pattern(["pin"]))
+    assert shown == [
+        "+extra.api_token=***",
+        "+extra.note=***",
+        "+extra.pin=***",
+        "lr=0.1",
+        "--storage=postgresql://u:***@h/d",
+    ]
+
+
+def test_the_wandb_command_line_knows_run_secret_keys(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fw", "train", "+extra.pin=12345678", "+extra.x=value-99"])
+    with redacted_argv(secrets.key_pattern(["pin"]), {"value-99"}):
+        assert sys.argv == ["fw", "train", "+extra.pin=***", "+extra.x=***"]
+    assert sys.argv[2] == "+extra.pin=12345678", "restored"
+
+
+def test_fw_config_prints_no_secret(monkeypatch, capsys):
+    from framework.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    args = ["+extra.api_token=S3cr3t", f"+extra.note={TOKEN}", "+extra.t=${oc.env:HF_TOKEN}"]
+    assert main(["config", *args]) == 0
+    out = capsys.readouterr().out
+    assert "S3cr3t" not in out and TOKEN not in out
+    assert "api_token: '***'" in out and "t: ${oc.env:HF_TOKEN}" in out
