@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from framework import files
+
 log = logging.getLogger("framework.checkpointing")
 
 NAME = re.compile(r"^step(\d{8,})$")
@@ -56,13 +58,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file whole or not at all: a temporary file, fsynced, renamed over `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write a file whole or not at all, 0640 (framework.files.write_atomic)."""
+    files.write_atomic(path, text)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -71,12 +68,19 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def commit(tmp_dir: Path, meta: dict[str, Any]) -> Path:
     """Fsync the state files, write meta.json with their digests, rename `.tmp` to final."""
-    files = {}
-    for f in sorted(p for p in tmp_dir.rglob("*") if p.is_file()):
+    # the strategy's writers (torch, DCP, DeepSpeed) follow the umask (0644): narrow their files
+    # to 0640, and the folders to the checkpoints folder's mode, as the rest of the run directory
+    folder_mode = tmp_dir.parent.stat().st_mode & 0o777
+    listed = {}
+    for f in sorted(tmp_dir.rglob("*")):
+        files.restrict(f, folder_mode if f.is_dir() else files.FILE_MODE)
+        if not f.is_file():
+            continue
         with f.open("rb") as fh:
             os.fsync(fh.fileno())
-        files[str(f.relative_to(tmp_dir))] = {"size": f.stat().st_size, "sha256": digest(f)}
-    write_json_atomic(tmp_dir / META, {**meta, "files": files})
+        listed[str(f.relative_to(tmp_dir))] = {"size": f.stat().st_size, "sha256": digest(f)}
+    files.restrict(tmp_dir, folder_mode)
+    write_json_atomic(tmp_dir / META, {**meta, "files": listed})
     final = tmp_dir.with_name(tmp_dir.name.removesuffix(".tmp"))
     if final.exists():
         shutil.rmtree(final)

@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import checkpointing, resume
+from framework import checkpointing, files, resume
 from framework.config.compose import compose_config, expand_sweeps
 from framework.config.validate import validate
 from framework.context import flatten, load_run_state
@@ -134,8 +134,9 @@ def write_config(job: Job) -> Path:
 
     run.json keeps the run id chosen at the first start, so restarts log to the same W&B run.
     """
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    (job.run_dir / "checkpoints").mkdir(exist_ok=True)
+    mode = files.dir_mode(job.cfg.run.dir_mode)
+    files.make_dir(job.run_dir, mode)
+    files.make_dir(job.run_dir / "checkpoints", mode)
     state = load_run_state(job.run_dir)
     # a W&B sweep agent names the run it starts: a single job takes that id (and so joins the
     # agent's sweep); the jobs of a multirun get their own

@@ -145,6 +145,12 @@ class RunConfig:
         "More config key names (regexes) whose values are secret, besides token, api_key, "
         "secret, password, credential, private_key: never written to disk or the console.",
     )
+    dir_mode: str = doc(
+        "0750",
+        "Permissions (octal) of the directories a run creates: 0750 lets your group read the "
+        "run, nobody else; its files are 0640 (never more open than your umask allows).",
+        ("0700", "0750", "0755", "0770", "0775"),
+    )
 
 
 @dataclass

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
+
+from framework import files
 
 
 class StepCSVLogger(Logger):
@@ -109,9 +110,8 @@ class StepCSVLogger(Logger):
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
         if rank_zero_only.rank != 0:
             return
-        tmp = self.path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=self._columns)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self.path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self._columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        files.write_atomic(self.path, text.getvalue())
