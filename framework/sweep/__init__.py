@@ -85,6 +85,9 @@ def trials_flag(value: str | None) -> int:
 
 def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[str, str]):
     """The Search of this command, once its trials' config composes and validates."""
+    from omegaconf import OmegaConf
+
+    from framework import files, secrets
     from framework.sweep.space import corners, split_overrides
     from framework.sweep.study import Search
 
@@ -94,7 +97,7 @@ def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[s
     if not space:
         raise ConfigError(
             "sweep",
-            " ".join(overrides),
+            " ".join(secrets.redact_words(overrides)),
             "nothing to search",
             hint="Give at least one KEY=interval(a, b), KEY=range(a, b), KEY=choice(x, y) or "
             "KEY=x,y (or sweep.params in conf/sweep/*.yaml); a grid is `fw train -m`.",
@@ -107,7 +110,7 @@ def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[s
     if not storage.startswith(("sqlite:", "postgresql", "mysql")):
         raise ConfigError(
             "--storage",
-            storage,
+            secrets.redact_text(storage),
             "not a database URL",
             ["sqlite:///PATH", "postgresql://...", "mysql://..."],
         )
@@ -121,6 +124,8 @@ def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[s
             hint="Keep it: e.g. logger=[csv] or logger=[csv,wandb].",
         )
     wandb = loggers.get("wandb")
+    plain = OmegaConf.to_container(job.cfg)
+    keys = tuple(job.cfg.run.secret_keys)
     return Search(
         cfg=cfg,
         space=space,
@@ -133,6 +138,9 @@ def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[s
         trials=trials,
         metrics_file=loggers["csv"][1].filename,
         wandb_group=wandb is not None and wandb[1].group is None,
+        secret_keys=keys,
+        secret_values=frozenset(secrets.secret_values(plain, secrets.key_pattern(keys))),
+        dir_mode=files.dir_mode(job.cfg.run.dir_mode),
     )
 
 
@@ -161,14 +169,15 @@ def run(search) -> int:
     log.info(
         "Study %s (%s, %d trials) in %s; rerun this command to continue it.",
         search.study_name,
-        search.storage_url,
+        search.shown_text(search.storage_url),
         search.trials,
         search.sweep_dir,
     )
     ran = study.run(search)
     log.info("This process ran trials %s.", ", ".join(map(str, ran)) or "(none)")
     opened = study.open_study(search)
-    text = report.summary(opened, search.fixed, list(search.space), search.cfg.metric)
+    fixed = search.shown(search.fixed)  # the best command as printed: secrets replaced
+    text = report.summary(opened, fixed, list(search.space), search.cfg.metric)
     for line in text.rstrip().splitlines():
         log.info("%s", line)
     report.write(opened, search.sweep_dir, text, search.cfg.metric)

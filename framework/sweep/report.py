@@ -5,13 +5,14 @@ searched key explains of the metric)."""
 
 from __future__ import annotations
 
+import io
 import logging
 import shlex
 import warnings
 from pathlib import Path
 from typing import Any
 
-from framework import checkpointing
+from framework import files
 from framework.sweep.space import override
 
 log = logging.getLogger("framework.sweep")
@@ -54,12 +55,12 @@ def _short(value: Any) -> str:
 
 def write(study: Any, sweep_dir: Path, text: str, metric: str) -> None:
     """summary.txt and the plots, in the sweep directory."""
-    checkpointing.write_text_atomic(sweep_dir / "summary.txt", text)
+    files.write_atomic(sweep_dir / "summary.txt", text)
     for name, drawn in plots(study, metric).items():
         path = sweep_dir / name
-        tmp = path.with_name(f".{name}.tmp.png")
-        drawn.savefig(tmp, dpi=100, bbox_inches="tight")
-        tmp.replace(path)  # several processes of one search may draw at once
+        png = io.BytesIO()
+        drawn.savefig(png, format="png", dpi=100, bbox_inches="tight")
+        files.write_atomic(path, png.getvalue())  # several processes of one search may draw
         log.info("Wrote %s", path)
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from framework import files, secrets
 from framework.errors import EXIT_CONFIG, ConfigError
 from framework.sweep import config as sweep_config
 from framework.sweep.space import literal, override
@@ -55,6 +56,17 @@ class Search:
     trials: int
     metrics_file: str  # the csv logger's file name in a trial's run directory
     wandb_group: bool  # put every trial's W&B run in the group named after the study
+    secret_keys: tuple[str, ...] = ()  # the trials' run.secret_keys
+    secret_values: frozenset[str] = frozenset()  # values never to write (framework.secrets)
+    dir_mode: int = files.DIR_MODE  # the trials' run.dir_mode, also that of the sweep directory
+
+    def shown(self, words: list[str]) -> list[str]:
+        """Command-line words as the sweep writes or prints them: secrets replaced."""
+        pattern = secrets.key_pattern(self.secret_keys)
+        return secrets.redact_words(words, pattern, self.secret_values)
+
+    def shown_text(self, text: str) -> str:
+        return secrets.redact_text(text, self.secret_values)
 
 
 def open_storage(url: str, heartbeat_s: int | None = None) -> Any:
@@ -80,9 +92,10 @@ def open_study(search: Search) -> Any:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the sweep says what happens itself
     cfg = search.cfg
-    search.sweep_dir.mkdir(parents=True, exist_ok=True)
+    files.make_dir(search.sweep_dir, search.dir_mode)
     try:
         with locked(search.sweep_dir):  # two processes creating one SQLite file collide
+            create_sqlite_file(search.storage_url)
             study = optuna.create_study(
                 study_name=search.study_name,
                 storage=open_storage(search.storage_url, cfg.heartbeat_s),
@@ -92,7 +105,8 @@ def open_study(search: Search) -> Any:
                 load_if_exists=True,
             )
     except (SQLAlchemyError, ValueError, ImportError) as err:
-        raise ConfigError("--storage", search.storage_url, str(err).splitlines()[0]) from None
+        problem = search.shown_text(str(err).splitlines()[0])
+        raise ConfigError("--storage", search.shown_text(search.storage_url), problem) from None
     if study.direction.name.lower() != cfg.direction:
         raise ConfigError(
             "sweep.direction",
@@ -101,16 +115,18 @@ def open_study(search: Search) -> Any:
             f"({study.direction.name.lower()})",
             hint="Use the same direction, or another --study.",
         )
-    command = {"fixed": search.fixed, "space": search.written, "metric": cfg.metric}
+    # recorded in the database as shown: secrets replaced (a study started before they were
+    # is still continued by the same command)
+    command = {"fixed": search.shown(search.fixed), "space": search.written, "metric": cfg.metric}
     recorded = study.user_attrs.get("fw_command")
     if recorded is None:
         study.set_user_attr("fw_command", command)
-    elif recorded != command:
+    elif recorded not in (command, {**command, "fixed": search.fixed}):
         raise ConfigError(
             "--study",
             search.study_name,
-            f"the study exists in {search.storage_url} and was started by another search "
-            f"({recorded})",
+            f"the study exists in {search.shown_text(search.storage_url)} and was started by "
+            f"another search ({search.shown_text(str(recorded))})",
             hint="Continue it with the same overrides and search space, or give another --study.",
         )
     return study
@@ -132,10 +148,19 @@ def run(search: Search) -> list[int]:
     return ran
 
 
+def create_sqlite_file(url: str) -> None:
+    """The study's SQLite file, created 0640 before SQLite creates it with the umask's mode (its
+    journal files take the same mode)."""
+    path = url.removeprefix("sqlite:///")
+    if url.startswith("sqlite:///") and path and not path.startswith(":memory:"):
+        with contextlib.suppress(OSError):  # no such folder: SQLite says so, as --storage's error
+            files.create_new(Path(path.partition("?")[0]))
+
+
 @contextlib.contextmanager
 def locked(sweep_dir: Path) -> Iterator[None]:
     """Only one process at a time counts the trials and asks for the next one."""
-    with open(sweep_dir / ".lock", "w") as handle:
+    with files.open_lock(sweep_dir / ".lock") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -208,13 +233,13 @@ def run_trial(study: Any, trial: Any, search: Search) -> bool:
     """Train one trial and tell the study how it ended; returns False when it failed."""
     from optuna.trial import TrialState
 
-    run_dir = search.sweep_dir / str(trial.number)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = files.make_dir(search.sweep_dir / str(trial.number), search.dir_mode)
     sampled = [override(key, trial.params[key]) for key in search.space]
     log.info("Trial %d: %s", trial.number, " ".join(sampled))
     try:
         with heartbeat(study, trial, search.cfg.heartbeat_s):
-            code = train(trial_command(search, trial.number, sampled, run_dir), run_dir / TRIAL_LOG)
+            command = trial_command(search, trial.number, sampled, run_dir)
+            code = train(command, run_dir / TRIAL_LOG, search.shown(command))
     except BaseException:  # interrupted: the trial did not finish (its `fw train` is stopped)
         study.tell(trial.number, state=TrialState.FAIL)
         raise
@@ -292,16 +317,19 @@ def trial_command(search: Search, number: int, sampled: list[str], run_dir: Path
         ]
     if search.wandb_group:
         words.append(f"logger.wandb.group={literal(search.study_name)}")
-    return [sys.executable, "-m", "framework.cli", "train", *words]
+    # -P: the working directory is not put first on sys.path (a stray torch.py there is not
+    # imported); `fw` appends it, so the user's modules are still found
+    return [sys.executable, "-P", "-m", "framework.cli", "train", *words]
 
 
-def train(command: list[str], log_file: Path) -> int:
-    """Run the trial's `fw train` with its output in `log_file`; it gets SIGTERM (checkpoint and
-    stop) if this process dies first."""
+def train(command: list[str], log_file: Path, shown: list[str]) -> int:
+    """Run the trial's `fw train` with its output in `log_file` (headed by the command as
+    `shown`, secrets replaced); it gets SIGTERM (checkpoint and stop) if this process dies
+    first."""
     from framework.worker import die_with_parent
 
-    with log_file.open("ab") as out:
-        out.write(f"$ {' '.join(command)}\n".encode())
+    with files.open_append(log_file) as out:
+        out.write(f"$ {' '.join(shown)}\n".encode())
         out.flush()
         return subprocess.call(
             command,
