@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(
-            0, os.getcwd()
-        )  # user modules next to the command, as `python -m` finds them
+        # user modules next to the command are found, but last: a stray `torch.py` in the
+        # working directory must not shadow an installed package
+        sys.path.append(os.getcwd())
     setup_logging()
     if not argv or argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
