@@ -14,7 +14,9 @@ from pathlib import Path
 from framework.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
 
 USAGE = """\
-usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per swept value)
+usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]   train (-m: one job per
+                                                  swept value; --trust: resume from a
+                                                  checkpoint whose pickles name more than data)
        fw config [--config-dir DIR] [KEY=VALUE ...]       show the composed config, documented
        fw check [--gpu-mem SIZE|GPU] [--ranks R,..] [KEY=VALUE ...]
                                                   memory per rank and first-step failures of
@@ -27,7 +29,7 @@ usage: fw train [-m] [--config-dir DIR] [KEY=VALUE ...]   train (-m: one job per
                                                   a search on Optuna, each trial a `fw train`
                                                   job, e.g. 'task.optimizer.lr=tag(log,
                                                   interval(1e-4, 1e-2))'; resumable, parallel
-       fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]   write one plain state dict
+       fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force] [--trust]   write one plain state dict
        fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]     draw loss, speed, memory (runs overlaid)
        fw --help | fw COMMAND --help                       this text, or one command's usage and options
 
@@ -76,11 +78,13 @@ task.data.prepared); a killed preparation resumes. See docs/data.md.
   --config-dir DIR       another directory of config groups
 """,
     "export": """\
-usage: fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]
+usage: fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force] [--trust]
 
 Write one plain PyTorch state dict (parameter name -> tensor) from a run's last checkpoint or
 from the checkpoint directory given, whatever strategy wrote it.
   --force   replace OUT.pt if it exists
+  --trust   read a checkpoint whose pickles name more than data (refused otherwise: loading
+            it could run code; see docs/security.md)
 """,
     "plot": """\
 usage: fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]
@@ -124,16 +128,16 @@ def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
 def export_command(args: list[str]) -> int:
     from framework.export import export
 
-    force = "--force" in args
-    paths = [a for a in args if a != "--force"]
+    force, trust = "--force" in args, "--trust" in args
+    paths = [a for a in args if a not in ("--force", "--trust")]
     if len(paths) != 2 or any(p.startswith("-") for p in paths):
         raise ConfigError(
             "export",
             " ".join(args),
             "expects a source and an output path",
-            hint="Usage: fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force]",
+            hint="Usage: fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force] [--trust]",
         )
-    export(Path(paths[0]), Path(paths[1]), force=force)
+    export(Path(paths[0]), Path(paths[1]), force=force, trust=trust)
     return 0
 
 
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             from framework.preflight import plan_command
 
             return plan_command(rest, parse_args)
-        multirun, dirs, overrides, want_help = parse_args(rest)
+        trust = command == "train" and "--trust" in rest
+        multirun, dirs, overrides, want_help = parse_args([w for w in rest if w != "--trust"])
         if command == "train":
             if want_help:
                 from framework.help import train_help
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             from framework.runner import train
 
-            train(overrides, multirun=multirun, extra_dirs=dirs)
+            train(overrides, multirun=multirun, extra_dirs=dirs, trust=trust)
             return 0
         if command == "config":
             from framework.help import show_config

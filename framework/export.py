@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from framework import checkpointing, portable
+from framework import checkpointing, portable, resume
 from framework.errors import ConfigError
 
 log = logging.getLogger("framework.export")
@@ -54,7 +54,8 @@ def deepspeed_state(path: Path) -> dict:
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
-def export(source: Path, out: Path, force: bool = False) -> Path:
+def export(source: Path, out: Path, force: bool = False, trust: bool = False) -> Path:
+    """`trust`: read a checkpoint whose pickles name more than data (see framework.safe_load)."""
     import torch
 
     if out.exists() and not force:
@@ -64,6 +65,8 @@ def export(source: Path, out: Path, force: bool = False) -> Path:
     if not out.parent.is_dir():
         raise ConfigError("out", str(out), f"directory {out.parent} does not exist")
     ckpt = checkpointing.resolve(source, "source")
+    if not trust:
+        resume.check_safe(ckpt, "source")
     state = consolidated_state(ckpt)
     tmp = out.with_name(out.name + ".tmp")
     torch.save(state, tmp)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from framework import checkpointing
+from framework.safe_load import deepspeed_globals
 
 WRAPPER_PREFIX = "_forward_module."  # Lightning's wrapper around the task module under DeepSpeed
 # What a DeepSpeed checkpoint holds besides the Lightning client state.
@@ -160,11 +161,12 @@ def read_deepspeed(path: Path) -> Portable:
     model_files = sorted(root.glob("*model_states.pt"), key=_rank_of)
     if not optim_files or not model_files:
         raise NotPortable(f"{root} holds no DeepSpeed ZeRO partitions")
-    states = [
-        torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-        for f in optim_files
-    ]
-    model_state = torch.load(model_files[0], map_location="cpu", weights_only=False)
+    with torch.serialization.safe_globals(deepspeed_globals()):  # data only, and these
+        states = [
+            torch.load(f, map_location="cpu", weights_only=True)["optimizer_state_dict"]
+            for f in optim_files
+        ]
+        model_state = torch.load(model_files[0], map_location="cpu", weights_only=True)
     world = len(states)
     stage = int(states[0]["zero_stage"])
     if stage == 3:

@@ -21,8 +21,10 @@ def choose(
     ckpt_format: str = "lightning",
     world_size: int = 1,
     check_move: Callable[[str], None] | None = None,
+    trust: bool = False,
 ) -> Path | None:
-    """The checkpoint directory to resume from, or None to start at step 0."""
+    """The checkpoint directory to resume from, or None to start at step 0. Unless `trust`, a
+    checkpoint whose pickles name more than data is refused (framework.safe_load)."""
     existing = (run_dir / "config.yaml").exists()
     if mode == "never":
         if existing:
@@ -43,9 +45,26 @@ def choose(
             return None
     else:
         ckpt = checkpointing.resolve(Path(mode), "resume")
+    if not trust:
+        check_safe(ckpt, "resume")
     check_compatible(ckpt, config)
     check_layout(ckpt, ckpt_format, world_size, check_move)
     return ckpt
+
+
+def check_safe(ckpt: Path, key: str) -> None:
+    """Refuse a checkpoint that loading could make run code; `--trust` loads it anyway."""
+    from framework.safe_load import UnsafeCheckpoint, check_checkpoint
+
+    try:
+        check_checkpoint(ckpt)
+    except UnsafeCheckpoint as err:
+        raise ConfigError(
+            key,
+            str(ckpt),
+            f"loading it could run code: {err}",
+            hint="Load only checkpoints you trust; add --trust to load this one anyway.",
+        ) from None
 
 
 def needs_move(meta: dict[str, Any], ckpt_format: str, world_size: int) -> bool:

@@ -45,9 +45,13 @@ class Job:
 
 
 def plan(
-    overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None
+    overrides: list[str],
+    multirun: bool = False,
+    extra_dirs: list[Path] | None = None,
+    trust: bool = False,
 ) -> list[Job]:
-    """Compose, resolve and validate every job of the command before any of them starts."""
+    """Compose, resolve and validate every job of the command before any of them starts
+    (`trust`: resume from a checkpoint that framework.safe_load refuses)."""
     external = job_id()
     if multirun and external:
         raise ConfigError("-m", "multirun", "a sweep cannot run inside a torchrun/SLURM job")
@@ -80,6 +84,7 @@ def plan(
             plugin.checkpoint_format(strategy_cfg, job.world),
             job.world.world_size,
             functools.partial(plugin.check_move, strategy_cfg),
+            trust=trust,
         )
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):
@@ -195,10 +200,13 @@ def run_job(job: Job) -> None:
 
 
 def train(
-    overrides: list[str], multirun: bool = False, extra_dirs: list[Path] | None = None
+    overrides: list[str],
+    multirun: bool = False,
+    extra_dirs: list[Path] | None = None,
+    trust: bool = False,
 ) -> None:
     """Plan every job, then run them one after another; a failed job does not stop the sweep."""
-    jobs = plan(overrides, multirun, extra_dirs)
+    jobs = plan(overrides, multirun, extra_dirs, trust)
     failed = []
     for number, job in enumerate(jobs):
         if multirun:

@@ -1,0 +1,124 @@
+"""A run directory someone sends you is data: its checkpoints cannot make `fw train` or
+`fw export` run code unless you pass --trust (framework.safe_load).
+
+Each crafted checkpoint holds a pickle that, once unpickled, creates a marker file. It is
+committed the way the framework commits its own (meta.json with digests), in the format the
+meta names: a Lightning file, a DCP directory, DeepSpeed ZeRO partitions. The job's own
+checkpoints still resume: every resume and move test in tests/distributed goes through the same
+check."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import checkpointing
+from tests.conftest import QUIET, fw, refused
+
+STEP = "step00000002"
+
+
+class Payload:
+    """Unpickled, it opens (creates) `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture(scope="module")
+def own_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("own") / "run"
+    args = ["task.model.hidden=16", "trainer.max_steps=2", "callbacks.checkpoint.every_n_steps=2"]
+    result = fw("train", *args, *QUIET, f"run.dir={run}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def write_payload(state: Path, fmt: str, marker: Path) -> None:
+    """The checkpoint's state in format `fmt`, with the payload where that format unpickles."""
+    if fmt == "lightning":
+        torch.save({"state_dict": {}, "callbacks": Payload(marker)}, state)
+    elif fmt == "dcp":
+        state.mkdir()
+        (state / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    else:  # deepspeed: the tag in `latest`, one ZeRO partition per rank
+        (state / "checkpoint").mkdir(parents=True)
+        (state / "latest").write_text("checkpoint")
+        part = state / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        torch.save({"optimizer_state_dict": Payload(marker)}, part)
+
+
+def crafted(own_run: Path, where: Path, fmt: str, marker: Path) -> Path:
+    """A copy of `own_run` whose newest checkpoint is the payload, committed as ours are."""
+    run = where / "run"
+    shutil.copytree(own_run, run, symlinks=True)
+    ckpts = run / "checkpoints"
+    for path in ckpts.iterdir():
+        if path.is_symlink() or path.name != STEP:
+            path.unlink() if path.is_symlink() else shutil.rmtree(path)
+    meta = checkpointing.read_meta(ckpts / STEP)
+    meta.pop("files")
+    tmp = ckpts / f"{STEP}.tmp"
+    shutil.rmtree(ckpts / STEP)
+    tmp.mkdir()
+    write_payload(tmp / "state.ckpt", fmt, marker)
+    checkpointing.commit(tmp, {**meta, "format": fmt, "state": "state.ckpt"})
+    assert checkpointing.verify(ckpts / STEP) is None, "the digests match: only the check stops it"
+    return run
+
+
+CASES = {  # the format written, and the strategy that resumes it
+    "lightning": ("lightning", "ddp"),
+    "dcp": ("dcp", "fsdp"),
+    "deepspeed": ("deepspeed", "zero2"),
+    "dcp moved to ddp": ("dcp", "ddp"),
+    "deepspeed moved to ddp": ("deepspeed", "ddp"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_crafted_checkpoint_runs_no_code_on_resume_or_export(
+    case, own_run, tmp_path, monkeypatch, capsys
+):
+    from framework.cli import main
+
+    fmt, strategy = CASES[case]
+    marker = tmp_path / "ran"
+    work = tmp_path / "work"
+    work.mkdir()
+    run = crafted(own_run, work, fmt, marker)
+    args = ["task.model.hidden=16", "trainer.max_steps=4", f"strategy={strategy}", *QUIET]
+    err = refused(args, work, monkeypatch, capsys)
+    assert "loading it could run code" in err and "names io.open" in err, err
+    assert "--trust" in err
+    out = tmp_path / "out.pt"
+    assert main(["export", str(run), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "loading it could run code" in err and STEP in err, err
+    assert not out.exists() and not marker.exists(), "nothing ran, nothing written"
+
+
+def test_the_payload_is_real_and_trust_loads_it(own_run, tmp_path, capsys):
+    """Without the check the crafted DCP checkpoint runs its payload: what --trust is for."""
+    from framework.cli import main
+
+    marker = tmp_path / "ran"
+    run = crafted(own_run, tmp_path, "dcp", marker)
+    with pytest.raises(BaseException):  # noqa: B017 - what the payload returns is no metadata
+        main(["export", str(run), str(tmp_path / "out.pt"), "--trust"])
+    assert marker.exists()
+
+
+def test_the_frameworks_own_checkpoint_exports_without_trust(own_run, tmp_path, capsys):
+    from framework.cli import main
+
+    out = tmp_path / "out.pt"
+    assert main(["export", str(own_run), str(out)]) == 0, capsys.readouterr().err
+    assert torch.load(out, weights_only=True), "a state dict"
