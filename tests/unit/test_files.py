@@ -33,6 +33,7 @@ def test_a_symlink_at_the_temporary_path_is_not_followed(tmp_path, victim, monke
     (run / "config.yaml.tmp").symlink_to(victim)
     checkpointing.write_text_atomic(run / "config.yaml", "a: 1\n")
     assert (run / "config.yaml").read_text() == "a: 1\n"
+    assert victim.read_text() == "precious" and not (run / "config.yaml").is_symlink()
     # and the random name, were it guessed: refused, not followed
     monkeypatch.setattr(files.secrets, "token_hex", lambda n: "guessed")
     (run / ".run.json.guessed.tmp").symlink_to(victim)
