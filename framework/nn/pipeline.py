@@ -19,6 +19,7 @@ parameter names do not change, so checkpoints of any split read back by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,32 +89,41 @@ def costs(task: nn.Module, chain: Sequence[Layer]) -> list[int]:
 
 
 def time_layers(
-    chain: Sequence[Layer], x: Any, loss: Callable[[Any], Any], repeats: int = 3
+    chain: Sequence[Layer],
+    x: Any,
+    loss: Callable[[Any], Any],
+    repeats: int = 3,
+    place: Callable[[Layer], AbstractContextManager] | None = None,
 ) -> list[float]:
     """Seconds of forward + backward of each layer on input `x` (median of `repeats`); the last
-    layer's time includes `loss(output)`. Leaves gradients in the parameters."""
+    layer's time includes `loss(output)`. `place(layer)`: a context in which the layer is on
+    `x`'s device (so only one layer at a time need be there). Leaves gradients in the
+    parameters."""
     import time
 
     import torch
 
+    place = place or (lambda layer: nullcontext())
     inputs = []
     with torch.no_grad():
         for layer in chain:
             inputs.append(x)
-            x = layer.run(x)
+            with place(layer):
+                x = layer.run(x)
     times = []
     for i, layer in enumerate(chain):
         runs = []
-        for _ in range(repeats):
-            h = inputs[i]
-            if h.is_floating_point():
-                h = h.detach().requires_grad_()
-            start = time.perf_counter()
-            out = layer.run(h)
-            (loss(out) if i == len(chain) - 1 else out.float().sum()).backward()
-            if out.is_cuda:
-                torch.cuda.synchronize()
-            runs.append(time.perf_counter() - start)
+        with place(layer):
+            for _ in range(repeats):
+                h = inputs[i]
+                if h.is_floating_point():
+                    h = h.detach().requires_grad_()
+                start = time.perf_counter()
+                out = layer.run(h)
+                (loss(out) if i == len(chain) - 1 else out.float().sum()).backward()
+                if out.is_cuda:
+                    torch.cuda.synchronize()
+                runs.append(time.perf_counter() - start)
         times.append(sorted(runs)[repeats // 2])
     return times
 

@@ -58,10 +58,12 @@ def squared_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.T
                 grad.device_mesh,
                 tuple(i for i, p in enumerate(grad.placements) if p.is_shard()),
             )
-            part = grad.to_local().double().pow(2).sum()
+            # `.to(device)`: FSDP's CPU offload keeps gradient shards on the CPU, and the
+            # collective below runs on the group's device
+            part = grad.to_local().double().pow(2).sum().to(device)
             groups[key] = groups.get(key, torch.zeros_like(total)) + part
         else:
-            total += grad.double().pow(2).sum()
+            total += grad.double().pow(2).sum().to(device)
     for (mesh, sharded), part in groups.items():
         for dim in sharded:
             dist.all_reduce(part, group=mesh.get_group(dim))
@@ -89,7 +91,8 @@ def clip_by_total_norm(
     scale = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            local(p.grad).mul_(scale.to(p.grad.dtype))
+            grad = local(p.grad)  # on the CPU under FSDP's CPU offload: the scale goes there
+            grad.mul_(scale.to(grad.device, grad.dtype))
     return norm
 
 

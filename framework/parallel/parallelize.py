@@ -7,7 +7,9 @@
 4. activation checkpointing and compile, per block;
 5. FSDP2 over the data views (dp x fsdp > 1): shard over `fsdp`, replicate over `dp` (hybrid
    when both are above 1), with the pipeline stages as roots under a pipeline; the experts of
-   step 3 are sharded over `efsdp` (the ranks holding the same experts) as units of their own.
+   step 3 are sharded over `efsdp` (the ranks holding the same experts) as units of their own;
+6. everything steps 2-5 did not place moved to the rank's device (framework/parallel/placement.py):
+   last, so a GPU never holds more than this rank's share of the model.
 
 Every rank builds the whole model from the seed before this (initial weights are one process's),
 and no step renames a module or parameter, so checkpoints of any layout read back by name.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from framework.nn import pipeline
@@ -55,9 +58,12 @@ def parallelize(
     fsdp: FSDPSettings,
     transforms: ModelTransforms,
     cut: StageCut | None = None,
+    device: torch.device | None = None,
 ) -> dict[int, nn.Module]:
-    """Make `task` parallel in place; returns this rank's stage modules by id (pp > 1), else {}."""
+    """Make `task` parallel in place, every tensor of it on `device` (None: left where it is);
+    returns this rank's stage modules by id (pp > 1), else {}."""
     from framework.parallel.experts import apply_expert_parallel
+    from framework.parallel.placement import to_device
 
     if cut is not None:
         kept = [layer for s in cut.mine for layer in cut.layers(s)]
@@ -73,10 +79,14 @@ def parallelize(
     experts = apply_expert_parallel(task, mesh["ep"]) if dims.ep > 1 else set()
     transforms.apply(task)
     stages = {s: pipeline.Stage(task, cut.layers(s)) for s in cut.mine} if cut else {}
-    if experts and mesh["efsdp"].size() > 1:  # the ranks holding the same experts shard them
+    # the ranks holding the same experts shard them; with one such rank too when a mixed
+    # precision is set, else the experts would stay fp32 while FSDP feeds them param_dtype inputs
+    if experts and (mesh["efsdp"].size() > 1 or fsdp.param_dtype or fsdp.reduce_dtype):
         shard_experts(task, mesh["efsdp"], fsdp)
         experts = set()  # now FSDP units of their own: the outer units leave them out anyway
     if dims.data_size > 1:
         data = mesh[("dp", "fsdp")] if dims.dp > 1 else mesh["fsdp"]
         apply_fsdp(task, data, fsdp, roots=list(stages.values()) if cut else None, ignored=experts)
+    if device is not None:
+        to_device(task, device)  # a stage holds the task's own modules: they move with it
     return stages

@@ -81,6 +81,11 @@ def check(
     cfg, world = composed(overrides, extra_dirs)
     device = parse_memory("--gpu-mem", gpu_mem) if gpu_mem is not None else None
     batch = first_batch(cfg, world)
+    for r in ranks or []:
+        if not 0 <= r < world.world_size:
+            raise ConfigError("--ranks", r, f"is not a rank of the {world.world_size} processes")
+    if world.is_cuda or device is not None:  # a GPU target: nothing may stay on the CPU
+        check_placement(cfg, world, batch, ranks)
     report = simulate(cfg, world, batch, ranks, quick)
     report.device_bytes = device
     report.config = cfg
@@ -158,9 +163,6 @@ def simulate(
     from framework.preflight import simulate as sim
 
     kind = cfg.strategy.kind
-    for r in chosen or []:
-        if not 0 <= r < world.world_size:
-            raise ConfigError("--ranks", r, f"is not a rank of the {world.world_size} processes")
     plugin = load_plugin("strategy", kind, "strategy.kind")
     strategy = typed_config(plugin, cfg.strategy)
     transforms = ModelTransforms(cfg.trainer.activation_checkpointing, False)
@@ -197,7 +199,34 @@ def simulate(
     return CheckReport(f"{name} x {world.world_size}", world.world_size, [replica], notes=notes)
 
 
-def failing_rank(rank: int, layout: str, run) -> RankMemory:
+def check_placement(cfg: DictConfig, world, batch: Any, chosen: list[int] | None) -> None:
+    """ConfigError when a rank of the parallel strategy would, on its GPU, keep a tensor on the
+    CPU after setup or hand one to a collective (framework/preflight/devices.py); the first rank
+    of each pipeline position, which differ in their stages (the others only in shard sizes).
+    The other strategies move the whole module with Lightning's or DeepSpeed's own setup."""
+    from framework.nn.transforms import ModelTransforms
+    from framework.plugins import load_plugin, typed_config
+    from framework.preflight.devices import placement_errors, refuse
+
+    if cfg.strategy.kind != "parallel":
+        return
+    plugin = load_plugin("strategy", "parallel", "strategy.kind")
+    strategy = typed_config(plugin, cfg.strategy)
+    dims = plugin.dims_of(strategy, world.world_size)
+    transforms = ModelTransforms(cfg.trainer.activation_checkpointing, False)
+    for rank in representative(dims, chosen, quick=True):
+        errors = failing_rank(
+            rank,
+            dims.describe(),
+            lambda r=rank: placement_errors(
+                cfg.task, cfg.trainer, batch, r, strategy, dims, transforms
+            ),
+        )
+        if errors:
+            raise refuse(rank, dims.describe(), errors)
+
+
+def failing_rank(rank: int, layout: str, run) -> Any:
     """The rank's figures; what would fail in that worker becomes a ConfigError naming it."""
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level

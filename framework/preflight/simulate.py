@@ -307,8 +307,7 @@ def parallel_rank(
     task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms, cuda: bool
 ) -> RankMemory:
     """A rank of the parallel strategy: the worker's own mesh, cut, plans and FSDP units."""
-    from framework.parallel.fsdp import FSDPSettings
-    from framework.parallel.parallelize import TensorParallelSettings, parallelize
+    from framework.parallel.parallelize import parallelize
 
     mode = fake_mode()
     precision = trainer_cfg.precision
@@ -318,19 +317,8 @@ def parallel_rank(
         mesh = dims.build_mesh("cpu")
         batch = fake_batch(mode, batch)
         cut, inputs = (None, {}) if dims.pp == 1 else pipeline_cut(task, cfg, dims, coords, batch)
-        tensor = TensorParallelSettings(
-            plan=tensor_plan(task, cfg, dims),
-            sequence_parallel=cfg.sequence_parallel,
-            loss_parallel=cfg.loss_parallel and cut is None,
-        )
-        fsdp = FSDPSettings(
-            reshard_after_forward=cfg.reshard_after_forward,
-            param_dtype=cfg.param_dtype,
-            reduce_dtype=cfg.reduce_dtype,
-            cpu_offload=False,  # offloaded states are counted on the device: an upper bound
-            shard_modules=tuple(cfg.shard_modules),
-        )
-        stages = parallelize(task, mesh, dims, tensor, fsdp, transforms, cut)
+        tensor, fsdp = settings(task, cfg, dims, cut)
+        stages = parallelize(task, mesh, dims, tensor, fsdp, transforms, cut, torch.device("cpu"))
         optimizer = optimizer_of(task, cuda)
         where = " ".join(f"{k}{v}" for k, v in coords.items() if getattr(dims, k) > 1)
         if cut is None:
@@ -346,6 +334,26 @@ def parallel_rank(
     if held is None:
         note = UNSIMULATED
     return RankMemory(rank, role, params, grads, states, (held or 0) * flight, temporaries, note)
+
+
+def settings(task, cfg, dims, cut):
+    """The tensor-parallel and FSDP settings the strategy's setup would give `parallelize`."""
+    from framework.parallel.fsdp import FSDPSettings
+    from framework.parallel.parallelize import TensorParallelSettings
+
+    tensor = TensorParallelSettings(
+        plan=tensor_plan(task, cfg, dims),
+        sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=cfg.loss_parallel and cut is None,
+    )
+    fsdp = FSDPSettings(
+        reshard_after_forward=cfg.reshard_after_forward,
+        param_dtype=cfg.param_dtype,
+        reduce_dtype=cfg.reduce_dtype,
+        cpu_offload=False,  # offloaded states are counted on the device: an upper bound
+        shard_modules=tuple(cfg.shard_modules),
+    )
+    return tensor, fsdp
 
 
 def tensor_plan(task, cfg, dims) -> dict[str, str]:

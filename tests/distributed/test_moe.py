@@ -218,3 +218,11 @@ def test_load_metrics_reach_wandb_as_a_histogram(workdir):
     assert b"moe/layer0/tokens_per_expert" in record and b"moe/layer1/max_load" in record
     internal = (run / "logs" / "debug-internal.log").read_text()
     assert "ignoring partial history" not in internal, "W&B dropped rows logged at a stale step"
+
+
+def test_experts_compute_in_param_dtype_with_one_rank_per_expert_group(tmp_path):
+    """ep = fsdp = 2 leaves one rank holding each expert: FSDP2's bfloat16 param_dtype must
+    reach the experts too (they were left fp32 and fed bfloat16 activations: a dtype error)."""
+    mixed = ["strategy.param_dtype=bfloat16", "trainer.max_steps=2", "run.dir=run"]
+    train("strategy=expert", "trainer.devices=2", *mixed, cwd=tmp_path)
+    assert len(losses(tmp_path / "run")) == 2

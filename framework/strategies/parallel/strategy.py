@@ -28,6 +28,7 @@ from framework.parallel.experts import expert_parameters, scale_expert_gradients
 from framework.parallel.fsdp import FSDPSettings
 from framework.parallel.gradients import clip_by_total_norm, reduce_partial_gradients
 from framework.parallel.parallelize import StageCut, TensorParallelSettings, parallelize
+from framework.parallel.placement import to_device
 from framework.strategies.parallel import checkpoint_io, stages
 from framework.strategies.parallel.schedule import PipelineRunner, inputs_and_targets
 from framework.strategies.parallel.timeline import gathered_metrics, save_trace
@@ -72,6 +73,10 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         self._device_mesh = self.mesh.root
         self.lightning_module._device_mesh = self.mesh.root
 
+    def model_to_device(self) -> None:
+        # Lightning's moves DTensors too (FSDP's CPU-offloaded shards): only what they left
+        to_device(self.model, self.root_device)
+
     def data_group(self):
         return self.mesh["data"].get_group()
 
@@ -102,7 +107,9 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             cpu_offload=self.cfg.cpu_offload,
             shard_modules=tuple(self.cfg.shard_modules),
         )
-        modules = parallelize(task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut)
+        modules = parallelize(
+            task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut, self.root_device
+        )
         finish_setup(self, trainer)
         if self.pipeline is not None:
             self.pipeline.start(modules, task)
@@ -142,15 +149,23 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
 
     def measured_costs(self, task, chain, trainer) -> list[float]:
         """Seconds of forward + backward of each layer on one microbatch of the first training
-        batch (median of 3; the whole model is still here). Rank 0's figures are used
-        everywhere, so all processes cut the same stages; the random state is left untouched."""
+        batch (median of 3; the whole model is still here, on the CPU: each layer is on the
+        device only while it is timed, as the whole model may not fit one GPU). Rank 0's figures
+        are used everywhere, so all processes cut the same stages; the random state, the CPU's
+        and the GPU's (dropout in the timed layers), is left untouched."""
         batch = next(iter(trainer.datamodule.train_dataloader()))
         x, y = inputs_and_targets(task, batch)
         rows = max(1, x.shape[0] // self.cfg.microbatches)
-        x, y = x[:rows].to(self.root_device), y[:rows].to(self.root_device)
-        task.to(self.root_device)
-        with torch.random.fork_rng(devices=[]):
-            costs = pipeline.time_layers(chain, x, lambda out: task.loss(out, y))
+        device = self.root_device
+        x, y = x[:rows].to(device), y[:rows].to(device)
+        gpus = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=gpus):
+            costs = pipeline.time_layers(
+                chain,
+                x,
+                lambda out: task.loss(out, y),
+                place=lambda layer: on_device(task, layer, device),
+            )
         for p in task.parameters():
             p.grad = None
         shared = [costs]
@@ -227,7 +242,9 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
 
     def log_pipeline(self, task, trace: bool) -> None:
         runner = self.pipeline
-        metrics = gathered_metrics(runner.timeline, runner.n_stages, self.dims.pp, runner.group)
+        metrics = gathered_metrics(
+            runner.timeline, runner.n_stages, self.dims.pp, runner.group, self.root_device
+        )
         for name, value in metrics.items():
             task.log(name, value)
         if trace:
@@ -280,6 +297,19 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         checkpoint_io.load_portable(
             self.model, self.optimizers, state, self.parameter_names(), aliases
         )
+
+
+@contextlib.contextmanager
+def on_device(task, layer, device):
+    """`layer`'s modules on `device` for the block's span, then back on the CPU."""
+    modules = [task.get_submodule(name) for name in layer.modules]
+    for module in modules:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.to("cpu")
 
 
 def finish_setup(strategy: ModelParallelStrategy, trainer) -> None:

@@ -62,17 +62,24 @@ class Timeline:
         return [(k, s, m, t0 - self.start, t1 - self.start) for k, s, m, t0, t1 in self.events]
 
 
-def gathered_metrics(timeline: Timeline, n_stages: int, pp: int, group) -> dict[str, float]:
-    """The step's pipeline metrics, the same on every rank: bubble fraction, busy seconds per
-    stage, peak in-flight microbatches per pipeline rank (one all-gather over `group`)."""
+def gathered_table(timeline: Timeline, n_stages: int, pp: int, group, device) -> torch.Tensor:
+    """Every pipeline rank's row (busy seconds per stage, peak in-flight microbatches, wall
+    seconds), gathered over `group` on `device`, the group's device (NCCL takes no CPU tensor)."""
     row = torch.zeros(n_stages + 2, dtype=torch.float64)
     for s, busy in timeline.busy().items():
         row[s] = busy
     row[-2] = timeline.peak
     row[-1] = timeline.wall()
+    row = row.to(device)
     rows = [torch.zeros_like(row) for _ in range(pp)]
     dist.all_gather(rows, row, group=group)
-    table = torch.stack(rows)
+    return torch.stack(rows).cpu()
+
+
+def gathered_metrics(timeline: Timeline, n_stages: int, pp: int, group, device) -> dict[str, float]:
+    """The step's pipeline metrics, the same on every rank: bubble fraction, busy seconds per
+    stage, peak in-flight microbatches per pipeline rank (one all-gather over `group`)."""
+    table = gathered_table(timeline, n_stages, pp, group, device)
     busy = table[:, :n_stages].sum(0)
     wall = float(table[:, -1].max())
     metrics = {"pipeline/bubble": 1.0 - float(busy.sum()) / (pp * wall) if wall > 0 else 0.0}

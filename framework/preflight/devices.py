@@ -1,0 +1,132 @@
+"""The device-placement check `fw check` runs for a CUDA target: after the parallel strategy's
+setup, is every tensor of the task on the rank's GPU, and is every tensor handed to a collective
+on the group's device? A tensor left on the CPU works on a CPU job and fails only on a GPU
+("Expected all tensors to be on the same device", or NCCL's "No backend type associated with
+device type cpu"), and no GPU runs our tests, so the check finds it here.
+
+A CPU-only torch cannot make fake CUDA tensors take part in autograd or in most kernels, so the
+GPU is stood in for by the `meta` device: like CUDA it is not the CPU, and fake tensors on it
+refuse to mix with CPU ones. The rank runs the strategy's own setup path: the task built on the
+CPU as the worker builds it, the job's mesh built for the device type (as the strategy builds it
+for `cuda`), then the one `parallelize`, with `meta` as the rank's device. Then every parameter,
+buffer and torchmetrics state must be on `meta`, and the collectives the strategy issues around
+each step (the gradient norm for clipping, the routers' token counts, a pipeline's loss and
+timing metrics) run under `CollectiveDevices`, which records any tensor not on `meta`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from framework.errors import ConfigError
+from framework.parallel.placement import CollectiveDevices, misplaced
+
+TARGET = torch.device("meta")  # stands for the rank's GPU
+
+
+def placement_errors(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms) -> list[str]:
+    """What rank `rank` would leave off its GPU after setup, or hand to a collective on another
+    device, one line each (none: the rank is placed right)."""
+    from framework.parallel.parallelize import parallelize
+    from framework.preflight.simulate import (
+        _quiet_logging,
+        build_fake_task,
+        fake_batch,
+        fake_mode,
+        fake_world,
+        pipeline_cut,
+        settings,
+    )
+
+    mode = fake_mode()
+    coords = dims.coordinates(rank)
+    with fake_world(rank, dims.world_size), _quiet_logging(), meta_stands_for_cuda():
+        task = build_fake_task(task_cfg, mode, trainer_cfg.precision)
+        mesh = dims.build_mesh(TARGET.type)
+        cut = None
+        if dims.pp > 1:
+            cut, _ = pipeline_cut(task, cfg, dims, coords, fake_batch(mode, batch))
+        tensor, fsdp = settings(task, cfg, dims, cut)
+        parallelize(task, mesh, dims, tensor, fsdp, transforms, cut, TARGET)
+        left = [f"{name} on {device}" for name, device in misplaced(task, TARGET)]
+        if left:  # the collectives below would stop at the first device mismatch
+            return left
+        recorder = CollectiveDevices(TARGET)
+        with mode, recorder:
+            step_collectives(task, mesh, cfg, dims)
+    return recorder.wrong
+
+
+def step_collectives(task, mesh, cfg, dims) -> None:
+    """The collectives the parallel strategy itself issues around a step, with the arguments it
+    gives them: the gradient norm for clipping (over shards and pipeline stages), the routers'
+    token counts over the data ranks, and under a pipeline the loss sent from the last stage and
+    the gathered timing metrics."""
+    from framework.parallel.experts import balance_routers
+    from framework.parallel.gradients import clip_by_total_norm
+    from framework.strategies.parallel import stages
+    from framework.strategies.parallel.schedule import PipelineRunner
+    from framework.strategies.parallel.timeline import gathered_table
+
+    params = [p for p in task.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    runner = None
+    if dims.pp > 1:
+        owners = stages.stage_owners(cfg.schedule, dims.pp, cfg.virtual_stages)
+        runner = PipelineRunner(cfg.schedule, cfg.microbatches, owners, mesh, TARGET)
+    clip_by_total_norm(params, 1.0, TARGET, set(), runner.group if runner else None)
+    balance_routers(task, mesh["data"].get_group())
+    if runner is not None:
+        runner.shared_loss()
+        gathered_table(runner.timeline, runner.n_stages, dims.pp, runner.group, TARGET)
+
+
+def refuse(rank: int, layout: str, errors: list[str]) -> ConfigError:
+    shown = "; ".join(errors[:6]) + (f"; and {len(errors) - 6} more" if len(errors) > 6 else "")
+    return ConfigError(
+        "strategy",
+        layout,
+        f"on a GPU, rank {rank} would hold tensors off its device after the strategy's setup or "
+        f"hand them to a collective: {shown} (expected: the rank's GPU, cuda:<local rank>)",
+        hint="This is a defect of the strategy or of the task (a tensor created without "
+        "`device=`), not of the config; a CPU job runs, the first step on a GPU would fail.",
+    )
+
+
+@contextlib.contextmanager
+def meta_stands_for_cuda():
+    """What lets torch's FSDP2 take a `meta` mesh for a GPU one, for the block's span.
+
+    FSDP2 asks the mesh's device module for the current device (`meta` has none), and moves
+    a tensor with `tensor.data = tensor.to(device)`, which a fake CPU tensor refuses for a
+    `meta` one (their dispatch keys differ). A fake tensor's device is only its label, so a move
+    between equal shapes relabels it."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    data = torch._C.TensorBase.data
+    own_data = FakeTensor.__dict__.get("data")
+    find_device = _fully_shard._get_device_from_mesh
+
+    def set_data(self, value):
+        moved = isinstance(value, FakeTensor) and value.fake_device != self.fake_device
+        if moved and value.shape == self.shape and value.dtype == self.dtype:
+            self.fake_device = value.fake_device
+        else:
+            data.__set__(self, value)
+
+    FakeTensor.data = property(data.__get__, set_data)
+    _fully_shard._get_device_from_mesh = lambda mesh: (
+        TARGET if mesh.device_type == TARGET.type else find_device(mesh)
+    )
+    try:
+        yield
+    finally:
+        _fully_shard._get_device_from_mesh = find_device
+        if own_data is None:
+            del FakeTensor.data
+        else:
+            FakeTensor.data = own_data
