@@ -28,7 +28,7 @@ from framework.world import RESTART_ENV, World, global_rank
 
 log = logging.getLogger("framework.launcher")
 
-__all__ = ["Config", "Task", "build", "join", "validate"]
+__all__ = ["Config", "Task", "build", "join", "redact_scripts", "validate"]
 
 
 @dataclass
@@ -100,6 +100,7 @@ def build(cfg: Config, world: World):
         task = Task(str(config_path), str(resume_from or ""), cfg.signal, cfg.max_requeues)
         job = executor.submit(task)
         logs = run_dir / "slurm"
+        redact_scripts(logs)
         log.info(
             "Submitted SLURM job %s (%d node(s) x %d task(s)). Follow it with: squeue -j %s; "
             "tail -f %s/%s_0_log.err (one log per rank in %s)",
@@ -113,6 +114,20 @@ def build(cfg: Config, world: World):
         )
 
     return launch
+
+
+def redact_scripts(folder: Path) -> None:
+    """The submission scripts submitit leaves in the run directory, with secrets replaced (a
+    `launcher.setup` line may hold one): SLURM ran sbatch on them and keeps its own copy, so the
+    files are only there to be read. The pickled Task holds paths and the signal, no config."""
+    from framework import files
+    from framework.secrets import redact_text
+
+    for script in sorted(folder.glob("*.sh")):
+        text = script.read_text()
+        shown = redact_text(text)
+        if shown != text:
+            files.write_atomic(script, shown, mode=script.stat().st_mode & files.FILE_MODE)
 
 
 class Task:

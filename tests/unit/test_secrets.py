@@ -72,3 +72,14 @@ def test_fw_config_prints_no_secret(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "S3cr3t" not in out and TOKEN not in out
     assert "api_token: '***'" in out and "t: ${oc.env:HF_TOKEN}" in out
+
+
+def test_a_slurm_submission_script_is_left_without_secrets(tmp_path, monkeypatch):
+    from framework.launchers.slurm import redact_scripts
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    script = tmp_path / "123_submission.sh"
+    script.write_text(f"#!/bin/bash\nexport HF_TOKEN={TOKEN}\nexport DB=mysql://u:{PASSWORD}@h\n")
+    redact_scripts(tmp_path)
+    text = script.read_text()
+    assert TOKEN not in text and PASSWORD not in text and "export HF_TOKEN=***" in text
