@@ -22,11 +22,13 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from framework import checkpointing
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, ConfigError
+from framework.launchers import rendezvous
 from framework.watchdog import HEARTBEAT_ENV, WATCHED, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
 
@@ -56,6 +58,12 @@ class Config:
     rdzv_id: str = doc(
         "fw",
         "With trainer.num_nodes > 1: the job's name at the rendezvous, the same on every node.",
+    )
+    rdzv_token: str = doc(
+        "",
+        "With trainer.num_nodes > 1: a secret every node of the job shares (empty: the "
+        "FW_RDZV_TOKEN environment variable, the better place for it); a node without it is "
+        "refused.",
     )
     join_timeout_s: float = doc(
         600.0,
@@ -114,95 +122,29 @@ def validate(cfg: Config, world: World) -> None:
                 hint="Start the same command on every machine with e.g. "
                 "launcher.rdzv_endpoint=node0.cluster:29500 and a run.dir they share.",
             )
+    if world.num_nodes > 1 and not rendezvous.job_token(cfg.rdzv_token):
+        raise ConfigError(
+            "launcher.rdzv_token",
+            "",
+            f"trainer.num_nodes={world.num_nodes} needs a token every node shares, so that a "
+            "stranger who reaches the rendezvous port cannot join",
+            hint=f"Export the same {rendezvous.TOKEN_ENV} (e.g. from `openssl rand -hex 16`) "
+            "on every node.",
+        )
 
 
 def join(cfg: Config, world: World, config: dict) -> bool:
     """Before anything is written: meet the other nodes of a job over several machines at the
     rendezvous store and check that every node composed the same config (ConfigError naming the
-    first key that differs). Returns whether this node writes the run directory (the first to
-    arrive; a job on one machine always does)."""
+    first key that differs, or a node without the job's token). Returns whether this node writes
+    the run directory (the first to arrive; a job on one machine always does)."""
     if world.num_nodes == 1:
         return True
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    host, _, port = cfg.rdzv_endpoint.rpartition(":")
-    timeout = timedelta(seconds=cfg.join_timeout_s)
-    store = hosting = None
-    if names_this_machine(host):  # then elastic's rendezvous uses this store (multi-tenant)
-        with contextlib.suppress(RuntimeError, ValueError, TimeoutError):  # taken: a client
-            store = TCPStore(host, int(port), is_master=True, multi_tenant=True, timeout=timeout)
-            hosting = store
-    if store is None:
-        store = TCPStore(host, int(port), is_master=False, multi_tenant=True, timeout=timeout)
-    _stores.append(store)  # alive until fw ends
-    prefix = f"fw-join/{cfg.rdzv_id}/{len(_stores)}"  # a sweep's jobs meet one after another
-    arrival = store.add(f"{prefix}/arrived", 1) - 1
-    if arrival >= world.num_nodes:
-        raise ConfigError(
-            "trainer.num_nodes",
-            world.num_nodes,
-            f"node {arrival + 1} joined {cfg.rdzv_endpoint} (launcher.rdzv_id={cfg.rdzv_id})",
-            hint="Give each job its own launcher.rdzv_id or endpoint.",
-        )
-    store.set(f"{prefix}/config/{arrival}", json.dumps(config, sort_keys=True, default=str))
-    keys = [f"{prefix}/config/{n}" for n in range(world.num_nodes)]
-    try:
-        store.wait(keys, timeout)
-    except (RuntimeError, TimeoutError) as err:
-        raise WorkerFailure(
-            f"trainer.num_nodes={world.num_nodes}, but not every node joined "
-            f"{cfg.rdzv_endpoint} within launcher.join_timeout_s={cfg.join_timeout_s:g}"
-        ) from err
-    mine = json.loads(store.get(keys[arrival]))  # as the others read it
-    differs = [config_difference(mine, json.loads(store.get(key))) for key in keys]
-    store.set(f"{prefix}/checked/{arrival}", "1")
-    if hosting is not None:  # the store lives in this process: stay until every node read it
-        store.wait([f"{prefix}/checked/{n}" for n in range(world.num_nodes)], timeout)
-    for differ in differs:
-        if differ is not None:
-            key, value, theirs = differ
-            raise ConfigError(
-                key,
-                value,
-                f"the nodes of one job composed different configs (another node has {theirs})",
-                hint="Start every node with the same command; run.dir must name the same "
-                "shared directory on each.",
-            )
+    token = rendezvous.job_token(cfg.rdzv_token)
+    arrival = rendezvous.join(
+        cfg.rdzv_endpoint, cfg.rdzv_id, token, world.num_nodes, config, cfg.join_timeout_s
+    )
     return arrival == 0
-
-
-_stores: list = []
-
-
-def names_this_machine(host: str) -> bool:
-    """Whether a rendezvous host is this machine (its name or one of its addresses)."""
-    import socket
-
-    names = {"localhost", socket.gethostname(), socket.getfqdn()}
-    if host in names:
-        return True
-
-    def addresses(name: str) -> set[str]:
-        try:
-            return {info[4][0] for info in socket.getaddrinfo(name, None)}
-        except OSError:
-            return set()
-
-    mine = {"127.0.0.1", "::1"}.union(*(addresses(n) for n in names))
-    return bool(addresses(host) & mine)
-
-
-def config_difference(a, b, key: str = "") -> tuple[str, object, object] | None:
-    """The first key whose value differs between two plain configs, with both values."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for name in sorted(set(a) | set(b)):
-            found = config_difference(a.get(name), b.get(name), f"{key}.{name}" if key else name)
-            if found is not None:
-                return found
-        return None
-    return None if a == b else (key or "config", a, b)
 
 
 def build(cfg: Config, world: World):
@@ -305,18 +247,27 @@ def start_workers(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
     attempt = os.environ.get(RESTART_ENV, "0")
-    several = world.num_nodes > 1  # every node must name the same rendezvous
+    endpoint, run_id, local_addr, store = cfg.rdzv_endpoint, None, None, None
+    if world.num_nodes > 1:  # every node names the same rendezvous, derived from the token
+        token = rendezvous.job_token(cfg.rdzv_token)
+        run_id = f"{rendezvous.meeting(token, cfg.rdzv_id)}-{attempt}"
+    else:  # nobody else needs to reach this job: its stores listen on loopback only
+        host, _, port = cfg.rdzv_endpoint.rpartition(":")
+        address = rendezvous.address_of(host or "localhost")
+        address = address if address.startswith("127.") or address == "::1" else "127.0.0.1"
+        store = rendezvous.bound_store(address, int(port or 0), timedelta(seconds=60))
+        endpoint, run_id, local_addr = f"{address}:{store.port}", f"fw-{uuid.uuid4().hex}", address
+    rendezvous.register_backend()
+    log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
     launch_config = LaunchConfig(
         min_nodes=world.num_nodes,
         max_nodes=world.num_nodes,
         nproc_per_node=world.devices,
-        run_id=f"{cfg.rdzv_id}-{len(_stores)}-{attempt}"
-        if several
-        else f"fw-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=cfg.rdzv_endpoint,
+        run_id=run_id,
+        rdzv_backend=rendezvous.BACKEND,
+        rdzv_endpoint=endpoint,
+        local_addr=local_addr,
         rdzv_configs={"join_timeout": int(cfg.join_timeout_s)},
         max_restarts=0,  # restarts are ours: the agent would also restart preempted workers
         monitor_interval=cfg.monitor_interval,
@@ -347,6 +298,7 @@ def start_workers(
             return watchdog.fired
         return describe_failures(err, log_dir, exits.ended)
     finally:
+        del store  # the single-node rendezvous store closes with the job
         os.environ.pop(HEARTBEAT_ENV, None)
         exits.stop()
         if watchdog is not None:

@@ -85,8 +85,11 @@ def test_srun_n2_joins_as_its_ranks_and_matches_the_local_launcher(workdir, loca
     assert metric_rows(run) == metric_rows(local_run), "bitwise the local launcher's"
 
 
-def nodes(per_node: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
-    """`fw train` once per node (each with its own arguments), rendezvous on this machine."""
+def nodes(
+    per_node: list[list[str]], cwd: Path, tokens: tuple[str, ...] = ("job-token", "job-token")
+) -> list[tuple[int, str]]:
+    """`fw train` once per node (each with its own arguments and FW_RDZV_TOKEN), rendezvous on
+    this machine."""
     endpoint = f"launcher.rdzv_endpoint=localhost:{free_port()}"
     procs = [
         subprocess.Popen(
@@ -100,13 +103,16 @@ def nodes(per_node: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
                 *args,
             ],
             cwd=cwd,
-            env=fw_env(),
+            # two "nodes" share this machine's cores: one thread each, as the two workers of
+            # the one-machine run get (a node alone would take every core, and the float
+            # results of a step can depend on the thread count)
+            env={**fw_env(), "FW_RDZV_TOKEN": token, "OMP_NUM_THREADS": "1"},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
-        for args in per_node
+        for args, token in zip(per_node, tokens, strict=True)
     ]
     return [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
 
@@ -128,6 +134,25 @@ def test_a_node_started_with_another_config_is_refused_before_anything_is_writte
         assert "the nodes of one job composed different configs" in err, err[-3000:]
         assert "task.optimizer.lr=" in err and "Traceback" not in err
     assert not (workdir / "nodes").exists(), "nothing written"
+
+
+def test_a_node_without_the_jobs_token_is_refused_before_anything_is_written(workdir):
+    """A stranger who reaches the rendezvous port cannot join: its config is not signed with
+    the job's token (both sides refuse, naming the token, and nothing starts)."""
+    base = ["trainer.devices=1", *ARGS]
+    results = nodes([base, base], workdir, tokens=("job-token", "a-guess"))
+    for code, err in results:
+        assert code == 2, err[-3000:]
+        assert "without this job's token" in err and "Traceback" not in err, err[-3000:]
+        assert "job-token" not in err and "a-guess" not in err, "no token on the console"
+    assert not (workdir / "nodes").exists(), "nothing written"
+
+
+def test_several_nodes_need_a_token(workdir, monkeypatch, capsys):
+    monkeypatch.delenv("FW_RDZV_TOKEN", raising=False)
+    args = ["trainer.num_nodes=2", "trainer.devices=1", "launcher.rdzv_endpoint=localhost:29511"]
+    err = refused(args, workdir, monkeypatch, capsys)
+    assert "launcher.rdzv_token" in err and "FW_RDZV_TOKEN" in err, err
 
 
 def test_several_nodes_need_a_fixed_rendezvous_address(workdir, monkeypatch, capsys):

@@ -1,0 +1,62 @@
+"""Who can reach a job: a local job's stores listen on loopback only (launchers/rendezvous.py);
+the multi-node token is in test_slurm.py, beside the other multi-node jobs."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+from pathlib import Path
+
+from framework.launchers.local import child_pids
+from tests.conftest import QUIET
+from tests.distributed.test_resume import start, wait_for_step
+
+
+def listening(pids: list[int]) -> set[str]:
+    """host:port of every TCP socket in LISTEN state that one of `pids` holds."""
+    inodes = set()
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
+        for fd in fds.iterdir() if fds.is_dir() else []:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(f"{socket.inet_ntop(family, raw)}:{int(port, 16)}")
+    return found
+
+
+def test_a_local_jobs_stores_listen_on_loopback_only(workdir):
+    args = [
+        "task._target_=tests.tasks.SlowDigitsTask",
+        "+task.model.step_sleep=0.1",
+        "trainer.devices=2",
+        "trainer.max_steps=200",
+        "trainer.log_every_n_steps=1",
+        *QUIET,
+        "run.dir=run",
+    ]
+    proc = start(args, workdir)
+    try:
+        wait_for_step(workdir / "run", 1, proc)
+        sockets = listening([proc.pid, *child_pids(proc.pid)])
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert len(sockets) >= 2, f"the rendezvous and the workers' stores at least: {sockets}"
+    hosts = {ipaddress.ip_address(s.rpartition(":")[0]) for s in sockets}
+    assert all(h.is_loopback for h in hosts), sockets
