@@ -130,3 +130,15 @@ def caller() -> str:
         if path.is_relative_to(package) and path != Path(__file__).resolve():
             return f"{path.relative_to(package.parent)}:{frame.lineno}"
     return "outside the framework"
+
+
+def per_parameter_where_mixed(optimizers) -> None:
+    """A param group mixing DTensors with plain tensors (tensor parallel without FSDP leaves
+    the norms plain) steps parameter by parameter: torch's foreach kernels, which optimizers
+    left to choose (`foreach=None`) take on CUDA, refuse the mix. A group whose `foreach` the
+    task set is left as it is."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            kinds = {is_dtensor(p) for p in group["params"]}
+            if len(kinds) == 2 and "foreach" in group and group["foreach"] is None:
+                group["foreach"] = False

@@ -143,6 +143,7 @@ def autocast(precision: str):
 
 def optimizer_of(task, cuda: bool) -> Any:
     """The task's optimizer, stepping as it would on the job's device (see `step_as_on_cuda`)."""
+    from framework.parallel.placement import per_parameter_where_mixed
     from framework.task import TaskModule
 
     if isinstance(task, TaskModule):
@@ -155,6 +156,7 @@ def optimizer_of(task, cuda: bool) -> Any:
             built = built[0]
             if isinstance(built, (list, tuple)):
                 built = built[0]
+    per_parameter_where_mixed([built])  # as the strategy does (framework.parallel.placement)
     if cuda:
         step_as_on_cuda(built)
     return built

@@ -8,7 +8,6 @@ through, and that its workers would only meet at their first step, are reported 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -35,15 +34,14 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 @pytest.mark.slow
-def test_a_64_gpu_job_is_checked_in_this_process_in_under_a_minute(capsys, monkeypatch, tmp_path):
+def test_a_64_gpu_job_is_checked_in_this_process(capsys, monkeypatch, tmp_path):
+    # how long it takes is a measurement (docs/preflight.md), not something a test can hold on
+    # a machine whose cores other work shares
     monkeypatch.chdir(tmp_path)
     degrees = ["strategy=pipeline", "strategy.pp=4", "strategy.fsdp=8", "strategy.tp=2"]
     world = ["trainer.accelerator=gpu", "trainer.devices=8", "trainer.num_nodes=8"]
-    started = time.perf_counter()
     code, out, err = run_cli(["check", *GPT_1B, *degrees, *world, "--gpu-mem", "H100"], capsys)
-    seconds = time.perf_counter() - started
     assert code == 0, err
-    assert seconds < 60, f"fw check took {seconds:.0f} s"
     assert "pp=4 x fsdp=8 x tp=2, 64 processes" in out
     assert "fits in the device's 80.0 GiB" in out
     rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]
@@ -238,3 +236,14 @@ def test_activations_and_the_optimizer_steps_temporaries_both_count_toward_the_t
     assert row.model_states + row.optimizer_step == real["Total"], (row, real)
     assert row.optimizer_step > 0 and row.total >= real["Total"]
     assert row.total == row.model_states + max(row.activations, row.optimizer_step)
+
+
+def test_tensor_parallel_alone_steps_its_optimizer_as_a_gpu_would(capsys, monkeypatch, tmp_path):
+    """With tp and no FSDP the norms stay plain tensors beside DTensor weights in one Adam group;
+    Adam's foreach form, which it takes on CUDA, refuses the mix, so such a group steps per
+    parameter (framework.parallel.placement), in fw check's simulated CUDA step as in training."""
+    monkeypatch.chdir(tmp_path)
+    args = ["experiment=gpt_tiny", "strategy=tensor", "trainer.devices=2"]
+    code, out, err = run_cli(["check", *args, "trainer.accelerator=gpu"], capsys)
+    assert code == 0, err
+    assert "tp0" in out and "tp1" in out

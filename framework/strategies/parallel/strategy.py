@@ -28,7 +28,7 @@ from framework.parallel.experts import expert_parameters, scale_expert_gradients
 from framework.parallel.fsdp import FSDPSettings
 from framework.parallel.gradients import clip_by_total_norm, reduce_partial_gradients
 from framework.parallel.parallelize import StageCut, TensorParallelSettings, parallelize
-from framework.parallel.placement import to_device
+from framework.parallel.placement import per_parameter_where_mixed, to_device
 from framework.strategies.parallel import checkpoint_io, stages
 from framework.strategies.parallel.schedule import PipelineRunner, inputs_and_targets
 from framework.strategies.parallel.timeline import gathered_metrics, save_trace
@@ -319,6 +319,7 @@ def finish_setup(strategy: ModelParallelStrategy, trainer) -> None:
     fitting = trainer.state.fn == TrainerFn.FITTING
     if fitting:
         strategy.setup_optimizers(trainer)
+        per_parameter_where_mixed(strategy.optimizers)
     strategy.setup_precision_plugin()
     if fitting:
         _optimizers_to_device(strategy.optimizers, strategy.root_device)
