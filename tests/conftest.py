@@ -69,9 +69,12 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    return {
-        int(r["step"]): float(r["train/loss"]) for r in read_metrics(run_dir) if r.get("train/loss")
-    }
+    """train/loss by step. A step logged twice fails here, where a dict would hide it; compare
+    the steps (sorted(a) == sorted(b)) as well as the values, so a missing one fails too."""
+    rows = metric_rows(run_dir)
+    steps = [step for step, _ in rows]
+    assert len(steps) == len(set(steps)), f"a step logged more than once in {run_dir}: {steps}"
+    return {step: float(loss) for step, loss in rows}
 
 
 def metric_rows(run: Path) -> list[tuple[int, str]]:
