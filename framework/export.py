@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from framework import checkpointing, portable, resume
+from framework import checkpointing, files, portable, resume
 from framework.errors import ConfigError
 
 log = logging.getLogger("framework.export")
@@ -68,8 +68,7 @@ def export(source: Path, out: Path, force: bool = False, trust: bool = False) ->
     if not trust:
         resume.check_safe(ckpt, "source")
     state = consolidated_state(ckpt)
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    # whole or not at all, under a fresh temporary name (a planted symlink is not followed)
+    files.write_atomic_with(out, lambda fh: torch.save(state, fh))
     log.info("Exported %d tensors from %s to %s", len(state), ckpt, out)
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -44,14 +45,19 @@ def make_dir(path: Path, mode: int = DIR_MODE) -> Path:
 def write_atomic(path: Path, data: bytes | str, mode: int = FILE_MODE) -> None:
     """Write a file whole or not at all: a new temporary file beside `path`, fsynced, renamed
     over it. Several processes may write the same file at once: the last rename wins."""
-    path = Path(path)
     data = data.encode() if isinstance(data, str) else data
+    write_atomic_with(path, lambda fh: fh.write(data), mode)
+
+
+def write_atomic_with(path: Path, write: Callable[[BinaryIO], object], mode: int = FILE_MODE):
+    """`write_atomic` for a writer that streams into the file (e.g. torch.save)."""
+    path = Path(path)
     # random: nobody can plant a symlink there in advance; O_EXCL | O_NOFOLLOW refuse one anyway
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, NEW, mode)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

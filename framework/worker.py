@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     from framework.callbacks._checkpointer import Preempted
 
     die_with_parent()
+    if os.getcwd() not in sys.path:  # started with -P: the user's modules, after the packages
+        sys.path.append(os.getcwd())
     args = sys.argv[1:] if argv is None else argv
     config_path = Path(args[0])
     resume = Path(args[args.index("--resume") + 1]) if "--resume" in args else None

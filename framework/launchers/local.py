@@ -189,7 +189,10 @@ def worker_args(method: str, config_path: Path, resume_from: Path | None) -> tup
         from framework.worker import forked_entry
 
         return forked_entry, (str(config_path), str(resume_from or ""))
-    args = ("-m", "framework.worker", str(config_path))
+    # -P: the working directory is not put first on sys.path (a stray torch.py there would
+    # shadow torch); the worker appends it, as fw does, so the user's modules are found
+    safe = ("-P",) if sys.version_info >= (3, 11) else ()
+    args = (*safe, "-m", "framework.worker", str(config_path))
     if resume_from is not None:
         args += ("--resume", str(resume_from))
     return sys.executable, args

@@ -122,3 +122,17 @@ def test_the_frameworks_own_checkpoint_exports_without_trust(own_run, tmp_path, 
     out = tmp_path / "out.pt"
     assert main(["export", str(own_run), str(out)]) == 0, capsys.readouterr().err
     assert torch.load(out, weights_only=True), "a state dict"
+
+
+def test_export_writes_through_no_planted_symlink(own_run, tmp_path, capsys):
+    """The output is written under a fresh temporary name, then renamed: a symlink planted
+    where a predictable temporary file would go leaves its target alone."""
+    from framework.cli import main
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    out = tmp_path / "out.pt"
+    (tmp_path / "out.pt.tmp").symlink_to(victim)
+    assert main(["export", str(own_run), str(out)]) == 0, capsys.readouterr().err
+    assert victim.read_text() == "untouched"
+    assert not out.is_symlink() and torch.load(out, weights_only=True)
