@@ -21,8 +21,9 @@ from framework.errors import ConfigError
 NOT_ATTACHED = "is not attached to a `Trainer`"
 
 
-def dry_build(task_cfg: DictConfig) -> Any:
-    """The task built on the meta device, after its data module and optimizer were built too."""
+def dry_build(task_cfg: DictConfig) -> tuple[Any, Any]:
+    """The task built on the meta device and its data module (not set up), after the optimizer
+    was built too; (None, None) for a task that builds on the CPU only."""
     import torch
 
     from framework.task import TaskModule
@@ -38,7 +39,7 @@ def dry_build(task_cfg: DictConfig) -> Any:
                 build_task(task_cfg)
         except Exception:
             raise blame("task.model", model_args, err, task_cfg._target_) from None
-        return None
+        return None, None
     data_args = {k: v for k, v in plain(task_cfg.data).items() if k != "_target_"}
     try:
         data = instantiate_args(task_cfg.data)
@@ -67,7 +68,7 @@ def dry_build(task_cfg: DictConfig) -> Any:
                 raise blame(
                     "task.model", model_args, err, f"{type(task).__name__}.configure_optimizers"
                 ) from None
-    return task
+    return task, data
 
 
 def plain(node: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework import lr_scaling
+from framework.config.batches import check_batches
 from framework.config.dry_build import dry_build
 from framework.config.fields import field_choices, out_of_bounds
 from framework.errors import ConfigError
@@ -33,10 +34,11 @@ def validate(cfg: DictConfig, here: bool = True) -> World:
     world = check_world(cfg) if here else target_world(cfg)
     check_task(cfg.task)
     lr_scaling.check(cfg.trainer)
-    model = dry_build(cfg.task)
+    model, data = dry_build(cfg.task)
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
     strategy = typed_config(plugin, cfg.strategy, "strategy")
     plugin.validate(strategy, world, JobView(cfg.task, cfg.trainer, model))
+    check_batches(cfg.trainer, data, plugin.data_parallel(strategy, world)[1])
     check_async_save(cfg, plugin.checkpoint_format(strategy, world))
     check_log_model(cfg)
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
