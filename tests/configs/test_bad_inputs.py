@@ -207,7 +207,3 @@ def test_bad_input_is_refused_before_anything_starts(case, tmp_path, monkeypatch
     assert expected in err, err
     assert "Traceback" not in err
     assert list(tmp_path.iterdir()) == [], "nothing written"
-
-
-def test_the_corpus_is_big_enough():
-    assert len(CASES) >= 30
