@@ -77,20 +77,50 @@ def style(name: str) -> Any:
 
 
 def collect_plan(
-    model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False
+    model: nn.Module,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    skip: tuple[str, ...] | list[str] = (),
 ) -> dict[str, Any]:
-    """{absolute module name: ParallelStyle} from every module that declares `tp_plan()`.
+    """{absolute module name: ParallelStyle} from every module that declares `tp_plan()`, and
+    from the plans of the transformers models the task holds (see `hf_plan`; `skip`: patterns
+    given elsewhere, whose modules the transformers plans leave alone).
 
     A plan maps names relative to its module ("" for the module itself; * wildcards allowed) to a
     ParallelStyle or a style name.
     """
-    plan: dict[str, Any] = {}
+    plan: dict[str, Any] = {name: style(s) for name, s in hf_plan(model, skip).items()}
     for name, module in model.named_modules():
         if not callable(getattr(type(module), "tp_plan", None)):
             continue
         for sub, entry in _plan_of(module, sequence_parallel, loss_parallel).items():
             full = ".".join(p for p in (name, sub) if p)
             plan[full] = style(entry) if isinstance(entry, str) else entry
+    return plan
+
+
+def hf_plan(model: nn.Module, skip: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+    """{module name: framework style} from the plans of the transformers models in `model`, for
+    each module of theirs a pattern names (wildcards expanded to real names, so an entry of
+    `strategy.tp_plan` for one layer replaces exactly that layer's), but those `skip` names.
+    A transformers style the framework cannot apply is a ConfigError naming it and the module."""
+    from framework.nn import hf
+
+    patterns = hf.plan_patterns(model)
+    if not patterns:
+        return {}
+    plan: dict[str, str] = {}
+    modules = [name for name, _ in model.named_modules() if name]
+    # a parameter too: some families' plans split one (packed experts), which torch's styles,
+    # applied to modules, cannot do
+    names = [*modules, *(name for name, _ in model.named_parameters())]
+    whole_modules = set(modules)
+    for name in names:
+        if any(matches(p, name) for p in skip):
+            continue
+        for pattern, transformers_style in patterns.items():
+            if matches(pattern, name):
+                plan[name] = hf.framework_style(transformers_style, name, name in whole_modules)
     return plan
 
 
@@ -151,7 +181,7 @@ def apply_tensor_parallel(
     from torch.distributed.tensor.parallel import parallelize_module
 
     given = {k: style(v) if isinstance(v, str) else v for k, v in (extra or {}).items()}
-    own = collect_plan(model, sequence_parallel, loss_parallel)
+    own = collect_plan(model, sequence_parallel, loss_parallel, skip=list(given))
     # an entry given here replaces the modules' own entries for every name it matches
     own = {name: s for name, s in own.items() if not any(matches(p, name) for p in given)}
     plan = {**own, **given}

@@ -1,7 +1,8 @@
 """The one FSDP2 applier, used by every layout of the parallel strategy.
 
-Sharding units, innermost first: the blocks (every member of an `nn.ModuleList`, or the modules
-of the classes named in `shard_modules`), then the roots that take every parameter left over.
+Sharding units, innermost first: the blocks (the modules of the classes named in `shard_modules`,
+else those a transformers model names in `_no_split_modules`, else every member of an
+`nn.ModuleList`), then the roots that take every parameter left over.
 Without a pipeline the roots are the task's top-level children that hold parameters (embeddings,
 heads); under a pipeline they are this rank's stage modules, so each stage all-gathers its own
 leftovers when it runs and torch's pipeline stages drive its gradient reduction.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from framework.nn.hf import no_split_classes
 from framework.nn.transforms import list_members
 
 
@@ -28,7 +30,10 @@ class FSDPSettings:
 
 
 def blocks(task: nn.Module, class_names: tuple[str, ...] | list[str]) -> list[nn.Module]:
-    """The block-level units: modules of the named classes, else every ModuleList member."""
+    """The block-level units: modules of the named classes, else the blocks the task's
+    transformers models name unsplittable (their decoder layers), else every ModuleList member
+    (which in some transformers models would also cut ModuleLists inside a layer, as T5's)."""
+    class_names = tuple(class_names) or no_split_classes(task)
     if class_names:
         return [m for m in task.modules() if type(m).__name__ in class_names]
     return list_members(task)

@@ -57,15 +57,44 @@ def tensor_parallel(cfg: Any, dims: ParallelDims, job: Any) -> None:
     model = model_of(job)
     if cfg.tp_plan:
         plan_names(cfg.tp_plan, model)
-    else:
+    transformers_models(cfg, model, dims.tp)
+    if not cfg.tp_plan:
         some_plan(model, dims.tp)
     tensor_dims(job.task, dims.tp, cfg.sequence_parallel)
 
 
+def transformers_models(cfg: Any, model, tp: int) -> None:
+    """The plans of the transformers models in the task (if any) apply as the workers will apply
+    them: every style known (but where strategy.tp_plan replaces it), heads that split evenly,
+    no sequence parallel (their plans split no norm over the sequence)."""
+    from framework.nn import hf
+    from framework.nn.plan import hf_plan
+
+    if not hf.models(model):
+        return
+    if cfg.sequence_parallel:
+        raise ConfigError(
+            "strategy.sequence_parallel",
+            True,
+            "is not applied to transformers models yet: their plans split no norm or dropout "
+            "over the sequence",
+            ["false"],
+        )
+    hf_plan(model, skip=[str(e).rpartition(":")[0] for e in cfg.tp_plan])
+    hf.check_heads(model, tp)
+
+
 def some_plan(model, tp: int) -> None:
     """tp > 1 must split something: the model's own plans, or an automatic one (logged)."""
-    from framework.nn.plan import auto_plan, collect_plan
+    from framework.nn.plan import auto_plan, collect_plan, hf_plan
 
+    if hf_plan(model):
+        log.info(
+            "Tensor parallel: %s split by its transformers models' own plans: %s",
+            type(model).__name__,
+            ", ".join(f"{k}:{v}" for k, v in _patterns(model).items()),
+        )
+        return
     if collect_plan(model):
         return
     found = auto_plan(model, tp)
@@ -86,6 +115,12 @@ def some_plan(model, tp: int) -> None:
         type(model).__name__,
         ", ".join(f"{k}:{v}" for k, v in found.items()),
     )
+
+
+def _patterns(model) -> dict[str, str]:
+    from framework.nn import hf
+
+    return {k: hf.STYLES.get(v, v) for k, v in hf.plan_patterns(model).items()}
 
 
 def tensor_dims(task: Any, tp: int, sequence_parallel: bool) -> None:

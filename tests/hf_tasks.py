@@ -1,0 +1,81 @@
+"""A plain LightningModule around a transformers model, its data, and a probe of its FSDP units.
+
+Apart from tests/tasks.py so that importing that module never imports transformers (the `hf`
+extra); nothing here is downloaded: the model is a random init from a config written here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning.pytorch as pl
+import torch
+
+
+class PlainLlama(pl.LightningModule):
+    """A Lightning user's causal LM: a random-init `LlamaForCausalLM` (seeded by the framework
+    before it is built), its own loss (transformers' shifted cross-entropy) and optimizer."""
+
+    def __init__(
+        self,
+        hidden: int = 64,
+        layers: int = 2,
+        heads: int = 4,
+        kv_heads: int = 2,
+        vocab: int = 256,
+        lr: float = 1e-3,
+    ) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.lr = lr
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=64,
+        )
+        self.lm = LlamaForCausalLM(config)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.lm(input_ids=batch, labels=batch).loss
+        self.log("train/loss", loss, sync_dist=True)  # the mean over ranks, as one process
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class RandomTokens(pl.LightningDataModule):
+    """Sequences of random tokens (seed 0), in memory, loaded as Lightning's docs teach."""
+
+    def __init__(self, batch_size: int = 8, length: int = 16, vocab: int = 256) -> None:
+        super().__init__()
+        self.batch_size, self.length, self.vocab = batch_size, length, vocab
+
+    def setup(self, stage=None) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.train_set = torch.randint(0, self.vocab, (512, self.length), generator=generator)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+
+class FSDPUnits(pl.Callback):
+    """Writes, per rank, the classes FSDP2 made sharding units (named FSDP<class> by torch)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        units = sorted(
+            type(m).__name__.removeprefix("FSDP")
+            for m in pl_module.modules()
+            if type(m).__name__.startswith("FSDP")
+        )
+        with open(os.path.join(self.out, f"units-rank{trainer.global_rank}.json"), "w") as fh:
+            json.dump(units, fh)

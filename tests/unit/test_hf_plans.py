@@ -1,0 +1,88 @@
+"""The plans the parallel core reads from transformers models (framework.nn.hf): tensor-parallel
+entries at their path in the task, styles it cannot apply refused, config entries replacing
+the model's own, FSDP units from `_no_split_modules`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from framework.errors import ConfigError
+from framework.nn.plan import hf_plan
+from framework.parallel.fsdp import units
+
+transformers = pytest.importorskip("transformers")
+
+
+class Holder(nn.Module):
+    """A task's module tree: the transformers model one level down, as in a LightningModule."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.lm = model
+
+
+def tiny(cls, config_cls, **kw) -> Holder:
+    torch.manual_seed(0)
+    return Holder(cls(config_cls(vocab_size=64, **kw)))
+
+
+def llama() -> Holder:
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    return tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig, **shape, **heads)
+
+
+def test_llama_plan_at_its_path_in_the_task():
+    plan = hf_plan(llama())
+    assert plan["lm.model.layers.1.self_attn.q_proj"] == "colwise"
+    assert plan["lm.model.layers.0.mlp.down_proj"] == "rowwise"
+    assert plan["lm.model.embed_tokens"] == "rowwise_embedding"
+    assert plan["lm.lm_head"] == "colwise_gather"
+    assert len(plan) == 2 + 2 * 7  # embedding, head, 7 projections per layer; norms whole
+
+
+def test_a_config_entry_replaces_the_model_entry_for_its_module_only():
+    plan = hf_plan(llama(), skip=["lm.model.layers.0.mlp.up_proj"])
+    assert "lm.model.layers.0.mlp.up_proj" not in plan
+    assert plan["lm.model.layers.1.mlp.up_proj"] == "colwise"
+
+
+def test_a_style_the_framework_cannot_apply_is_refused_naming_it_and_its_module():
+    moe = tiny(
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    with pytest.raises(ConfigError, match=r"q_norm with style 'replicated_with_grad_allreduce'"):
+        hf_plan(moe)
+    # with the norms given by the config, the next refusal is the experts'
+    norms = ["lm.model.layers.*.self_attn.q_norm", "lm.model.layers.*.self_attn.k_norm"]
+    with pytest.raises(ConfigError, match=r"lm.model.layers.0.mlp.experts.*'moe_tp_experts'"):
+        hf_plan(moe, skip=norms)
+
+
+def test_fsdp_units_are_the_no_split_blocks_not_every_module_list_member():
+    # T5's blocks hold a ModuleList of their sublayers: the ModuleList rule alone made those units
+    t5 = tiny(
+        transformers.T5ForConditionalGeneration,
+        transformers.T5Config,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+    )
+    assert [type(m).__name__ for m in units(t5)] == [
+        "T5Block",
+        "T5Block",
+        "T5ForConditionalGeneration",
+    ]
