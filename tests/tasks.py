@@ -59,6 +59,13 @@ class SlowDigitsTask(DigitsTask):
         time.sleep(self.step_sleep)
         return super().training_step(batch, batch_idx)
 
+    def validation_step(self, batch, batch_idx):
+        # Validation that draws from the global RNG (as sampling or random crops do): a run
+        # resumed at a validated step equals the uninterrupted one only if validation puts the
+        # RNG back as it found it (tests/distributed/test_resume.py).
+        torch.rand(1)
+        return super().validation_step(batch, batch_idx)
+
 
 class SlowLossDigits(DigitsTask):
     """DigitsTask whose loss takes `loss_sleep` seconds: under pipeline parallel the loss runs on
