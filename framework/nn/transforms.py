@@ -1,7 +1,7 @@
 """Activation checkpointing and torch.compile, applied per block of a model.
 
-Blocks are the members of every `nn.ModuleList` in the task (a transformer's layers); a model
-without one has its top-level children taken instead. Both transforms replace a block's `forward`
+Blocks are the task's layers (`layers`: a transformers model's decoder layers, else the members
+of every `nn.ModuleList`); a model without any has its top-level children taken instead. Both transforms replace a block's `forward`
 in place, so module and parameter names, and therefore checkpoints, do not change. The block's
 forward is compiled first and the checkpoint wraps the compiled function: compiling through the
 checkpoint fails for tensor-parallel (DTensor) blocks in the installed torch. They run after
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from framework.nn.hf import no_split_classes
+
 log = logging.getLogger("framework.nn")
 
 
@@ -28,8 +30,18 @@ def list_members(task: nn.Module) -> list[nn.Module]:
     ]
 
 
+def layers(task: nn.Module) -> list[nn.Module]:
+    """The model's layers: the modules of the classes its transformers models name in
+    `_no_split_modules` (their decoder layers), else every `nn.ModuleList` member (which in some
+    transformers models would also take the ModuleLists inside a layer, as T5's)."""
+    names = no_split_classes(task)
+    if names:
+        return [m for m in task.modules() if type(m).__name__ in names]
+    return list_members(task)
+
+
 def blocks(task: nn.Module) -> list[nn.Module]:
-    found = list_members(task)
+    found = layers(task)
     return found or [m for m in task.children() if any(True for _ in m.parameters())]
 
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from framework.nn.hf import no_split_classes
-from framework.nn.transforms import list_members
+from framework.nn.transforms import layers
 
 
 @dataclass(frozen=True)
@@ -30,13 +29,11 @@ class FSDPSettings:
 
 
 def blocks(task: nn.Module, class_names: tuple[str, ...] | list[str]) -> list[nn.Module]:
-    """The block-level units: modules of the named classes, else the blocks the task's
-    transformers models name unsplittable (their decoder layers), else every ModuleList member
-    (which in some transformers models would also cut ModuleLists inside a layer, as T5's)."""
-    class_names = tuple(class_names) or no_split_classes(task)
+    """The block-level units: modules of the named classes, else the task's layers (a
+    transformers model's decoder layers, else every ModuleList member)."""
     if class_names:
         return [m for m in task.modules() if type(m).__name__ in class_names]
-    return list_members(task)
+    return layers(task)
 
 
 def units(task: nn.Module, class_names: tuple[str, ...] | list[str] = ()) -> list[nn.Module]:

@@ -10,6 +10,7 @@ from torch import nn
 
 from framework.errors import ConfigError
 from framework.nn.plan import hf_plan
+from framework.nn.transforms import blocks
 from framework.parallel.fsdp import units
 
 transformers = pytest.importorskip("transformers")
@@ -70,7 +71,7 @@ def test_a_style_the_framework_cannot_apply_is_refused_naming_it_and_its_module(
         hf_plan(moe, skip=norms)
 
 
-def test_fsdp_units_are_the_no_split_blocks_not_every_module_list_member():
+def test_fsdp_and_checkpointing_units_are_the_no_split_blocks_not_every_module_list_member():
     # T5's blocks hold a ModuleList of their sublayers: the ModuleList rule alone made those units
     t5 = tiny(
         transformers.T5ForConditionalGeneration,
@@ -81,8 +82,9 @@ def test_fsdp_units_are_the_no_split_blocks_not_every_module_list_member():
         num_layers=1,
         num_heads=2,
     )
-    assert [type(m).__name__ for m in units(t5)] == [
-        "T5Block",
-        "T5Block",
-        "T5ForConditionalGeneration",
-    ]
+    assert names(units(t5)) == ["T5Block", "T5Block", "T5ForConditionalGeneration"]
+    assert names(blocks(t5)) == ["T5Block", "T5Block"]  # checkpointed and compiled one by one
+
+
+def names(modules: list[nn.Module]) -> list[str]:
+    return [type(m).__name__ for m in modules]
