@@ -141,9 +141,12 @@ def join(cfg: Config, world: World, config: dict) -> bool:
     if world.num_nodes == 1:
         return True
     token = rendezvous.job_token(cfg.rdzv_token)
-    arrival = rendezvous.join(
-        cfg.rdzv_endpoint, cfg.rdzv_id, token, world.num_nodes, config, cfg.join_timeout_s
-    )
+    try:
+        arrival = rendezvous.join(
+            cfg.rdzv_endpoint, cfg.rdzv_id, token, world.num_nodes, config, cfg.join_timeout_s
+        )
+    except rendezvous.JoinTimeout as err:
+        raise WorkerFailure(str(err)) from err
     return arrival == 0
 
 

@@ -104,6 +104,10 @@ def _create_handler(params):
     )
 
 
+class JoinTimeout(RuntimeError):
+    """Not every node of the job arrived at the rendezvous in time."""
+
+
 _stores: list = []  # the stores of this fw process's jobs, alive until it ends
 
 
@@ -122,8 +126,6 @@ def join(endpoint: str, rdzv_id: str, token: str, nodes: int, config: dict, time
     config, signed with the job's token. Returns this node's arrival (0: the first).
     Raises ConfigError for a different config or a node without the token."""
     from torch.distributed import TCPStore
-
-    from framework.launchers.local import WorkerFailure
 
     host, _, port = endpoint.rpartition(":")
     timeout = timedelta(seconds=timeout_s)
@@ -151,7 +153,7 @@ def join(endpoint: str, rdzv_id: str, token: str, nodes: int, config: dict, time
     try:
         store.wait(proofs, timeout)
     except (RuntimeError, TimeoutError) as err:
-        raise WorkerFailure(
+        raise JoinTimeout(
             f"trainer.num_nodes={nodes}, but not every node joined {endpoint} within "
             f"launcher.join_timeout_s={timeout_s:g}"
         ) from err
