@@ -69,9 +69,15 @@ def plan_command(args: list[str], parse) -> int:
         raise ConfigError("--gpus", gpus, "needs the number of GPUs, e.g. --gpus 8")
     if gpu_mem is None:
         raise ConfigError("--gpu-mem", None, "needs the memory of one GPU, e.g. 80GB or H100")
+    from framework.perf import parse_memory
+
+    parse_memory("--gpu-mem", gpu_mem)  # else every layout is left out for it: "nothing fits"
     multirun, dirs, overrides, _ = parse(args)
     if multirun:
         raise ConfigError("-m", "multirun", "fw plan plans one job; give one value per key")
+    from framework.config.compose import compose_config
+
+    compose_config(overrides, dirs)  # a misspelled key is named here, not left out of each layout
     options, refused = plan(overrides, int(gpus), gpu_mem, dirs)
     sys.stdout.write(table(options, refused, overrides, int(gpus)) + "\n")
     if not options:
