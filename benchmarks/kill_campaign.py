@@ -4,8 +4,8 @@ Each trial starts a 2-process job with `launcher.max_restarts=3` and kills at a 
 its mode (seeded, so a campaign can be replayed):
 
 - `worker`: one worker, at a random step; the launcher restarts the workers.
-- `mid-save`: one worker, while a checkpoint is being written (its `.tmp` directory exists; under
-  fsdp with `async_save` that is the background write).
+- `mid-save`: one worker, while a checkpoint other than the first is being written (its `.tmp`
+  directory exists; under fsdp with `async_save` that is the background write).
 - `restart`: one worker, then another one as soon as the restarted workers exist (a kill during
   the restart).
 - `job`: every process of the job (fw included), at a random step; then the same command again.
@@ -16,9 +16,11 @@ its mode (seeded, so a campaign can be replayed):
   again.
 
 A trial passes when the job ends with exit code 0, its per-step losses are bitwise those of an
-uninterrupted run of the same strategy (each step logged once), and every checkpoint left in the
-run directory verifies (sizes and digests). The table gives, per strategy and mode, the trials,
-the failures, and the median time from the kill to the next logged step.
+uninterrupted run of the same strategy (each step logged once), every checkpoint left in the
+run directory verifies (sizes and digests), and the workers started after the kill resumed from
+the newest checkpoint there was (a fresh start from step 0 would reach the same losses). The
+table gives, per strategy and mode, the trials, the failures (`fresh`: not resumed), and the
+median time from the kill to the next logged step.
 
 Run from the repository root: `python -m benchmarks.kill_campaign [--trials 50]`. Not part of
 `make bench` (about 40 s a trial on 2 cores); a 3-trial smoke run is part of `make test`.
@@ -31,6 +33,7 @@ import csv
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -143,7 +146,11 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
     killed_at, kills = None, 1
     ckpts = run / "checkpoints"
     if mode == "mid-save":
-        hit = wait(lambda: ckpts.is_dir() and any(ckpts.glob("*.tmp")), proc)
+        # a save after the first: the restart must resume from the one before the damaged one
+        hit = wait(
+            lambda: ckpts.is_dir() and any(ckpts.glob("*.tmp")) and checkpointing.listing(ckpts),
+            proc,
+        )
         killed_at = time.monotonic() if hit and kill_one(proc, rng) else None
     elif mode == "commit":
         hit = wait(
@@ -182,6 +189,10 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
                 if wait(fresh, proc, period=0.001):
                     time.sleep(rng.uniform(0.0, 1.0))  # somewhere in their start-up
                     kills += kill_one(proc, rng)
+    # the newest complete checkpoint when the new workers start: they must resume from it (or a
+    # later one), never start afresh; the same losses alone would not tell
+    newest = checkpointing.listing(ckpts) if killed_at is not None else []
+    floor = newest[0][0] if newest else 0
     resumed_s = None
     if killed_at is not None:  # the next step logged by the new workers
         if mode not in (
@@ -215,17 +226,29 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
         "killed": killed_at is not None,
         "exit_code": proc.returncode,
         "losses_equal": got == reference,
+        "resumed": floor == 0 or max(resumed_steps(first_err + err), default=-1) >= floor,
         "corrupt": corrupt,
         "resumed_s": resumed_s,
         "ended_s": ended_s,
     }
     if mode == "end" and killed_at is None and ended_s is not None:
         result["exit_code"] = -1  # the job did not end as it should have
-    if result["exit_code"] != 0 or got != reference or corrupt:
+    if failed(result):
         result["stderr_tail"] = (first_err + err)[-3000:]
     else:
         shutil.rmtree(run, ignore_errors=True)
     return result
+
+
+def resumed_steps(stderr: str) -> list[int]:
+    """The steps the workers said they resumed from ("Resuming from PATH (step N)")."""
+    return [int(n) for n in re.findall(r"Resuming from \S+ \(step (\d+)\)", stderr)]
+
+
+def failed(r: dict) -> bool:
+    """A trial fails on an exit code, losses not bitwise equal, a corrupt checkpoint, or a
+    restart that did not resume from the newest checkpoint (a fresh start passes the rest)."""
+    return r["exit_code"] != 0 or not r["losses_equal"] or bool(r["corrupt"]) or not r["resumed"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = modes[(number // len(strategies)) % len(modes)]
         results.append(trial(strategy, mode, opts.seed + number, root, references[strategy]))
         r = results[-1]
-        ok = r["exit_code"] == 0 and r["losses_equal"] and not r["corrupt"]
+        ok = not failed(r)
         resumed = f"{r['resumed_s']:.1f} s" if r["resumed_s"] is not None else "-"
         if r["ended_s"] is not None:
             resumed += f"; ended {r['ended_s']:.1f} s after the kill"
@@ -269,31 +292,30 @@ def main(argv: list[str] | None = None) -> int:
             f" (resumed after {resumed})",
             flush=True,
         )
-    failed = report(results)
+    bad = report(results)
     if not opts.no_save:
         save_results(opts.name, {"steps": STEPS, "trials": results}, load)
-    if not failed:
+    if not bad:
         shutil.rmtree(root, ignore_errors=True)
     else:
         print(f"failed runs kept in {root}")
-    return 1 if failed else 0
+    return 1 if bad else 0
 
 
 def report(results: list[dict]) -> int:
     """Print the table; the number of failed trials."""
     print(
         f"\n{'strategy':<10}{'mode':<10}{'trials':>7}{'killed':>7}{'exit!=0':>8}"
-        f"{'loss !=':>8}{'corrupt':>8}{'resumed (median s)':>20}"
+        f"{'loss !=':>8}{'corrupt':>8}{'fresh':>6}{'resumed (median s)':>20}"
     )
-    failed = 0
+    bad = 0
     for key in sorted({(r["strategy"], r["mode"]) for r in results}):
         group = [r for r in results if (r["strategy"], r["mode"]) == key]
         bad_exit = sum(r["exit_code"] != 0 for r in group)
         mismatch = sum(not r["losses_equal"] for r in group)
         corrupt = sum(bool(r["corrupt"]) for r in group)
-        failed += sum(
-            r["exit_code"] != 0 or not r["losses_equal"] or bool(r["corrupt"]) for r in group
-        )
+        fresh = sum(not r["resumed"] for r in group)
+        bad += sum(failed(r) for r in group)
         times = [r["resumed_s"] for r in group if r["resumed_s"] is not None]
         ends = [r["ended_s"] for r in group if r.get("ended_s") is not None]
         median = f"{statistics.median(times):.1f}" if times else "-"
@@ -302,10 +324,10 @@ def report(results: list[dict]) -> int:
         killed = sum(r["killed"] for r in group)
         print(
             f"{key[0]:<10}{key[1]:<10}{len(group):>7}{killed:>7}{bad_exit:>8}{mismatch:>8}"
-            f"{corrupt:>8}{median:>20}"
+            f"{corrupt:>8}{fresh:>6}{median:>20}"
         )
-    print(f"{len(results)} trials, {failed} failed")
-    return failed
+    print(f"{len(results)} trials, {bad} failed")
+    return bad
 
 
 if __name__ == "__main__":

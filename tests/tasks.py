@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -422,8 +423,8 @@ class ExpertGradNorms(pl.Callback):
 
 class HangingDigitsTask(DigitsTask):
     """Rank `hang_rank` blocks at `hang_step` (the others then wait in the next collective);
-    every rank writes its pid to `out/pid-rank{r}`, and the hanging rank the time it stopped
-    to `out/hung`."""
+    every rank writes its pid to `out/pid-rank{r}` and the restart counters it sees to
+    `out/start{N}-rank{r}.json`, and the hanging rank the time it stopped to `out/hung`."""
 
     def __init__(self, out: str, hang_rank: int = 1, hang_step: int = 3, hidden: int = 32) -> None:
         super().__init__(hidden=hidden)
@@ -432,6 +433,11 @@ class HangingDigitsTask(DigitsTask):
     def on_train_start(self) -> None:
         with open(os.path.join(self.out, f"pid-rank{self.global_rank}"), "w") as fh:
             fh.write(str(os.getpid()))
+        # which start of the job this is, as the worker's code sees it
+        seen = {k: os.environ.get(k) for k in ("FW_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")}
+        name = f"start{seen['FW_RESTART_COUNT']}-rank{self.global_rank}.json"
+        with open(os.path.join(self.out, name), "w") as fh:
+            json.dump(seen, fh)
 
     def training_step(self, batch, batch_idx):
         if self.global_step == self.hang_step and self.global_rank == self.hang_rank:

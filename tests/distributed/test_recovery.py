@@ -4,6 +4,7 @@ test_resume.py, next to the uninterrupted reference run.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -59,6 +60,37 @@ def test_a_hung_rank_ends_the_job_with_every_ranks_stack(workdir):
     assert "distributed_c10d.py" in stacks[0].read_text(), "the other rank waits in a collective"
     pids = [int((workdir / f"pid-rank{r}").read_text()) for r in (0, 1)]
     assert not any(alive(pid) for pid in pids), "no worker is left behind"
+
+
+def test_a_hang_is_restarted_and_a_job_out_of_restarts_exits_1_naming_them(workdir):
+    """One job for three promises: a hang ends the start and the launcher restarts the workers
+    (docs/clusters.md), each start's workers see which start they are (FW_RESTART_COUNT and
+    torch's TORCHELASTIC_RESTART_COUNT), and once max_restarts is spent the job exits 1 with
+    the last failure and '(after N restarts)'. Every start hangs at the same step."""
+    args = [
+        "task._target_=tests.tasks.HangingDigitsTask",
+        f"+task.model.out={workdir}",
+        *DIGITS,
+        "trainer.max_steps=50",
+        "launcher.hang_timeout_s=4",
+        "launcher.max_restarts=2",
+        "run.dir=run",
+    ]
+    done = fw("train", *args, cwd=workdir, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    hung = "the job hung: no training progress within launcher.hang_timeout_s=4"
+    assert f"Restart 1 of 2 after: {hung}" in done.stderr, done.stderr[-3000:]
+    assert f"Restart 2 of 2 after: {hung}" in done.stderr, done.stderr[-3000:]
+    assert "(after 2 restarts)" in done.stderr, done.stderr[-3000:]
+    restarts = json.loads((workdir / "run" / "run.json").read_text())["restarts"]
+    assert [r["attempt"] for r in restarts] == [1, 2]
+    for start_number in range(3):
+        for rank in (0, 1):
+            seen = json.loads((workdir / f"start{start_number}-rank{rank}.json").read_text())
+            assert seen == {
+                "FW_RESTART_COUNT": str(start_number),
+                "TORCHELASTIC_RESTART_COUNT": str(start_number),
+            }, (start_number, rank)
 
 
 def test_a_save_longer_than_the_hang_timeout_is_not_a_hang(workdir):
@@ -141,8 +173,8 @@ def test_a_slow_rank_is_named_as_the_straggler(workdir):
 
 def test_kill_campaign_smoke_three_trials_resume_exactly():
     """benchmarks.kill_campaign, 3 trials under ddp: a kill mid-save, a kill during the restart
-    and a kill of the whole job; each run ends with the uninterrupted run's losses bitwise and
-    no corrupt checkpoint (the full campaign: docs/benchmarks.md)."""
+    and a kill of the whole job; each run resumes from its newest checkpoint and ends with the
+    uninterrupted run's losses bitwise and no corrupt checkpoint (the full campaign: docs/benchmarks.md)."""
     done = subprocess.run(
         [
             sys.executable,
@@ -155,6 +187,10 @@ def test_kill_campaign_smoke_three_trials_resume_exactly():
             "--modes",
             "mid-save,restart,job",
             "--no-save",
+            # seeds 3-5: the restart and job trials kill at steps 9 and 10, after a checkpoint
+            # (seed 0's job trial killed at step 3, where a fresh start is the right outcome)
+            "--seed",
+            "3",
         ],
         cwd=REPO,
         env=fw_env(),
@@ -170,3 +206,4 @@ def test_kill_campaign_smoke_three_trials_resume_exactly():
             row for row in table.splitlines() if row.startswith("ddp") and f" {mode} " in row
         )
         assert line.split()[2:4] == ["1", "1"], f"the {mode} trial killed: {line}"
+        assert line.split()[7] == "0", f"the {mode} trial resumed, not started afresh: {line}"
