@@ -160,3 +160,11 @@ def test_a_broken_reference_fails_the_build(tmp_path, kind):
     result = build(root, tmp_path / "site")
     assert result.returncode != 0, f"strict mode let a broken {kind} through"
     assert named in result.stderr, result.stderr[-3000:]
+
+
+def test_a_page_left_out_of_the_nav_fails_the_build(tmp_path):
+    root = copy_of_the_docs(tmp_path)
+    (root / "docs" / "orphan.md").write_text("# A page nobody can reach\n")
+    result = build(root, tmp_path / "site")
+    assert result.returncode != 0, "strict mode let a page outside the nav through"
+    assert "orphan.md" in result.stderr, result.stderr[-3000:]
