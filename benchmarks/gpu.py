@@ -273,10 +273,11 @@ def summarise(size: Size, runs: dict[str, list[dict]], flops_per_token: float) -
         each = [figures(r, size, flops_per_token) for r in done]
         mfus = [f["mfu"] for f in each if f["mfu"] is not None]
         peaks = [f["peak_memory_bytes"] for f in each if f["peak_memory_bytes"] is not None]
+        # the loop is the reference: its own row has no difference to it, not a difference of 0
         diffs = [
             max(abs(a - b) for a, b in zip(r["losses"], p["losses"], strict=True))
             for r, p in zip(records, plain, strict=True)
-            if "error" not in r and "error" not in p
+            if "error" not in r and "error" not in p and name != PLAIN
         ]
         rows[name] = {
             "tokens_per_s": statistics.median(f["tokens_per_s"] for f in each),
@@ -313,7 +314,7 @@ def print_table(size: Size, model: dict, device: str, rows: dict) -> None:
         peak = row["peak_memory_bytes"]
         peak = f"{peak / 2**30:.2f}" if peak is not None else "n/a"
         diff = row["max_abs_loss_difference_to_plain"]
-        diff = "n/a" if diff is None else f"{diff:.3g}"
+        diff = "reference" if name == PLAIN else "n/a" if diff is None else f"{diff:.3g}"
         print(
             f"{LABELS[name]:30}{row['tokens_per_s']:>12.0f}{row.get('ratio_to_plain', 0):>9.3f}"
             f"{mfu:>8}{peak:>10}  {diff}"

@@ -17,9 +17,12 @@ def test_smoke_fw_and_the_plain_loop_lose_the_same_bitwise():
     done = run_benchmark("gpu", "--smoke", timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "smoke: per-step losses of fw and plain bitwise equal over 8 steps" in done.stdout
-    for name in ("plain", "fw"):
-        row = next(line for line in done.stdout.splitlines() if line.startswith(LABELS[name]))
-        assert row.split()[-1] == "0", f"largest loss difference to the loop: {row}"
+    rows = {
+        n: next(r for r in done.stdout.splitlines() if r.startswith(LABELS[n]))
+        for n in ("plain", "fw")
+    }
+    assert rows["fw"].split()[-1] == "0", f"largest loss difference to the loop: {rows['fw']}"
+    assert rows["plain"].split()[-1] == "reference", "the loop is not compared with itself"
     assert "results:" not in done.stdout, "the smoke saves nothing"
 
 
