@@ -141,9 +141,7 @@ class Checkpointer(pl.Callback):
         self.cursor += per_rank * self.ctx.data_parallel[1]
         step = trainer.global_step
         self.announce(trainer)  # the previous step's checkpoint, with its validation's metrics
-        preempt = self.cfg.on_preemption and self._vote.agreed(
-            self.signal_received or 0, trainer.strategy.root_device
-        )
+        preempt = self.cfg.on_preemption and self._vote.agreed(self.signal_received or 0)
         due = self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
         # The last step is saved here, not in on_train_end: by then Lightning has closed the
         # epoch, and a resume with a larger max_steps would start a new one.
@@ -364,13 +362,15 @@ class PreemptionVote:
     A blocking all-reduce every step would cost a round trip per step (about 30% of a small
     DDP step on CPU). Instead each step starts an asynchronous all-reduce of this rank's flag and
     reads the previous step's result, which has long arrived: the job stops one step later, at
-    no waiting cost.
+    no waiting cost. The flag is a CPU tensor on a gloo group: reading a CUDA flag (`.item()`)
+    would wait for everything queued on the GPU, the whole step, every step.
     """
 
     def __init__(self) -> None:
         self.pending: tuple[Any, torch.Tensor] | None = None
+        self.group: Any = None
 
-    def agreed(self, local: int, device: torch.device) -> int:
+    def agreed(self, local: int) -> int:
         """The highest signal number any rank got (0: none), as of the previous step."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local
@@ -379,8 +379,12 @@ class PreemptionVote:
             work, flag = self.pending
             work.wait()
             decided = int(flag.item())
-        flag = torch.tensor([int(local)], device=device)
-        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        if self.group is None:  # every rank votes at the same step: a collective creation
+            gloo = dist.get_backend() == "gloo"
+            self.group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+        flag = torch.tensor([int(local)])
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.pending = (work, flag)
         return decided
 
     def finish(self) -> None:

@@ -227,3 +227,29 @@ def test_gpu_peaks_are_found_by_whole_names_most_specific_first(device_name, pea
 
     assert peak_tflops(device_name) == peak
     assert parse_memory("--gpu-mem", "V100") == 32 * 2**30, "the memory of a V100 is known"
+
+
+def test_the_preemption_vote_reads_no_gpu_tensor(monkeypatch):
+    """On NCCL the per-step vote runs on a gloo group of CPU flags: reading a CUDA flag
+    (`.item()`) would wait for everything the step queued on the GPU, every step."""
+    from framework.callbacks import _checkpointer as ck
+
+    groups, reduced = [], []
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    def all_reduce(flag, op, group, async_op):
+        reduced.append((flag.device.type, group))
+        return Work()
+
+    monkeypatch.setattr(ck.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(ck.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(ck.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(ck.dist, "new_group", lambda backend: groups.append(backend) or "gloo")
+    monkeypatch.setattr(ck.dist, "all_reduce", all_reduce)
+    vote = ck.PreemptionVote()
+    assert vote.agreed(0) == 0 and vote.agreed(15) == 0
+    assert groups == ["gloo"], "one gloo group, made once"
+    assert reduced == [("cpu", "gloo"), ("cpu", "gloo")]
