@@ -24,6 +24,7 @@ def check_batches(trainer: Any, data: Any, ranks: int) -> None:
     """Refuse a trainer setting Lightning would refuse once `data` is loaded on `ranks`
     data-parallel ranks. Nothing is checked where Lightning replaces the settings
     (fast_dev_run) or where the data module cannot be set up here (the workers will say)."""
+    trainer = as_lightning_reads(trainer)
     if data is None or trainer.get("fast_dev_run") or not _asks_for_lengths(trainer):
         return
     try:
@@ -41,7 +42,7 @@ def check_batches(trainer: Any, data: Any, ranks: int) -> None:
         raise ConfigError(
             "task.data",
             type(data).__name__,
-            f"its train_dataloader gives no batch to a data-parallel rank (of {ranks}): nothing would train",
+            f"its train_dataloader gives no batch to a data-parallel rank (of {ranks})",
             hint="Use a smaller task.data.batch_size, more data, or fewer processes.",
         )
     val_limit = overfit if overfit else trainer.get("limit_val_batches")
@@ -53,6 +54,28 @@ def check_batches(trainer: Any, data: Any, ranks: int) -> None:
             ranks,
         )
     check_val_interval(trainer, batches, val_limit)
+
+
+LIMITS = ("val_check_interval", "limit_train_batches", "limit_val_batches", "overfit_batches")
+
+
+def as_lightning_reads(trainer: Any) -> dict[str, Any]:
+    """The trainer settings as Lightning's Trainer reads them (`_determine_batch_limits`): a
+    whole float above 1 is a number of batches (1000.0 is 1000); any other float above 1 is
+    refused there, in every worker, so it is refused here."""
+    settings = {key: trainer.get(key) for key in trainer}
+    for key in LIMITS:
+        value = settings.get(key)
+        if isinstance(value, float) and value > 1:
+            if value % 1:
+                raise ConfigError(
+                    f"trainer.{key}",
+                    value,
+                    "neither a fraction in [0, 1] nor a whole number of batches",
+                    hint=f"Use a fraction such as 0.5 or a number of batches such as {int(value)}.",
+                )
+            settings[key] = int(value)
+    return settings
 
 
 def _asks_for_lengths(trainer: Any) -> bool:

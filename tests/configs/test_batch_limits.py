@@ -27,6 +27,14 @@ CASES = {
         [*GPT, "trainer.val_check_interval=300", "trainer.devices=2"],
         "trainer.val_check_interval=300: more than the 185 training batches",
     ),
+    "a whole float is a number of batches": (
+        [*GPT, "trainer.val_check_interval=1000.0"],
+        "trainer.val_check_interval=1000: more than the 371 training batches",
+    ),
+    "a float above 1 that is not whole": (
+        [*GPT, "trainer.limit_train_batches=2.5"],
+        "trainer.limit_train_batches=2.5: neither a fraction in [0, 1] nor a whole number",
+    ),
     "train fraction below one batch": (
         [*GPT, "trainer.limit_train_batches=0.001"],
         "trainer.limit_train_batches=0.001: keeps no batch of the 371",
