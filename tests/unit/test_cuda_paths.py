@@ -253,3 +253,20 @@ def test_the_preemption_vote_reads_no_gpu_tensor(monkeypatch):
     assert vote.agreed(0) == 0 and vote.agreed(15) == 0
     assert groups == ["gloo"], "one gloo group, made once"
     assert reduced == [("cpu", "gloo"), ("cpu", "gloo")]
+
+
+def test_grouped_experts_compute_in_bf16_under_bf16_mixed():
+    """grouped_mm is not on autocast's list: under bf16-mixed the experts would run in fp32 (no
+    bf16 grouped GEMM on the GPU). They take autocast's dtype, as the per-expert loop's
+    matmuls do, with the loop's result."""
+    from framework.nn.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    grouped, loop = GroupedExperts(32, 64, 2), GroupedExperts(32, 64, 2, gemm="loop")
+    loop.load_state_dict(grouped.state_dict())
+    x, counts = torch.randn(24, 32), torch.tensor([10, 14])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped.use_grouped(x.bfloat16())
+        got, want = grouped(x, counts), loop(x, counts)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert grouped(x, counts).dtype == torch.float32, "fp32 without autocast"
