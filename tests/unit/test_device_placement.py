@@ -128,7 +128,7 @@ def test_clipping_scales_gradients_the_cpu_offload_keeps_on_the_cpu():
     import torch
 
     from framework.parallel.gradients import clip_by_total_norm
-    from framework.preflight.simulate import fake_mode
+    from framework.preflight.fakes import fake_mode
 
     with fake_mode():
         p = torch.nn.Parameter(torch.ones(4))

@@ -1,0 +1,59 @@
+"""The fake world a simulated rank runs in: torch's `fake` process group and fake tensors
+(framework/preflight/simulate.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """This process as rank `rank` of `world_size` on the fake backend, for the block's span."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Drop DTensor's caches of sharding and redistribution plans: they compare meshes by shape
+    and names, so the next rank's equal mesh would reuse this rank's (destroyed) groups."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    cached = getattr(_redistribute._gen_transform_infos, "cache_clear", None)
+    if cached is not None:
+        cached()
+    getattr(_redistribute, "_planner_cache", {}).clear()
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def copyable_fakes():
+    """`copy.deepcopy` of a fake tensor gives a fake clone while the task is built. Tensor's own
+    deepcopy rebuilds the storage on the tensor's device, which a fake tensor (backed by meta)
+    refuses; metrics deepcopy their default states when built (torchmetrics' `add_state`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    own = FakeTensor.__dict__.get("__deepcopy__")
+    FakeTensor.__deepcopy__ = lambda self, memo: (
+        self.detach().clone().requires_grad_(self.requires_grad)
+    )
+    try:
+        yield
+    finally:
+        if own is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = own
