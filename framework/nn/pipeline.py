@@ -6,9 +6,14 @@ It says so in one of two ways:
 - `pipeline_layers()` returning `[(names, run), ...]` in order: `names` are the submodules (names
   relative to the model) whose parameters `run` uses, `run` maps the previous output to the next.
   `framework.nn` models declare it (e.g. the gpt recipe: embeddings, each block, norm + head);
-- or being an `nn.Sequential`: each child is a layer.
+- or being an `nn.Sequential`: each child is a layer;
+- or being a transformers model with a pipeline plan, held anywhere in the task: its chain is
+  read from the plan (hf_pipeline.py: embedding, each decoder layer, final norm + head).
 
-The task's pipelined model is its first child that is either. A stage is a contiguous run of
+The task's pipelined model is its first child declaring layers or being an nn.Sequential, else
+its first transformers model with a plan. The last stage computes the loss: the task's own
+`loss` (on `pipeline_batch`'s target), or for a transformers causal LM with none the model's own
+causal-LM loss (`objective`). A stage is a contiguous run of
 layers: balanced by parameter count (tied parameters counted once) or by each layer's measured
 forward + backward time (`time_layers`), or started at the layers the config names
 (`strategy.split_points`). Every rank builds the whole model from the seed (so initial weights
@@ -34,11 +39,14 @@ class Layer:
 
 
 def find_model(task: nn.Module) -> tuple[str, nn.Module] | None:
-    """The task's pipelined model: its first child declaring layers, or an nn.Sequential."""
+    """The task's pipelined model: its first child declaring layers, or an nn.Sequential, else
+    its first transformers model with a pipeline plan."""
+    from framework.nn import hf_pipeline
+
     for name, child in task.named_children():
         if hasattr(child, "pipeline_layers") or isinstance(child, nn.Sequential):
             return name, child
-    return None
+    return hf_pipeline.find(task)
 
 
 def layers(task: nn.Module) -> list[Layer]:
@@ -47,19 +55,68 @@ def layers(task: nn.Module) -> list[Layer]:
     if found is None:
         raise ValueError(
             f"{type(task).__name__} has no child module that can be cut into pipeline stages: "
-            "give the model a pipeline_layers() method (framework.nn models have one) or make "
-            "it an nn.Sequential"
+            "give the model a pipeline_layers() method (framework.nn models have one), make "
+            "it an nn.Sequential, or hold a transformers model with a pp_plan"
         )
     prefix, model = found
-    if isinstance(model, nn.Sequential) and not hasattr(model, "pipeline_layers"):
+    if hasattr(model, "pipeline_layers"):
+        declared = model.pipeline_layers()
+    elif isinstance(model, nn.Sequential):
         declared = [((name,), child) for name, child in model.named_children()]
     else:
-        declared = model.pipeline_layers()
+        from framework.nn import hf_pipeline
+
+        declared = hf_pipeline.pipeline_layers(model)
     chain = []
     for names, run in declared:
-        full = tuple(f"{prefix}.{n}" for n in names)
+        full = tuple(f"{prefix}.{n}" if prefix else n for n in names)
         chain.append(Layer(full[0], full, run))
     return chain
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the last stage minimises: `split(batch)` is (first stage's input, loss target),
+    `loss(output, target)` a microbatch's loss; `begin(target, parts)` sees each whole batch's
+    target before its `parts` microbatches."""
+
+    split: Callable[[Any], tuple[Any, Any]]
+    loss: Callable[[Any, Any], Any]
+    begin: Callable[[Any, int], None] = lambda target, parts: None
+
+
+def objective(task: nn.Module) -> Objective | None:
+    """The task's own `loss` (and `pipeline_batch`, else (x, y) batches); for a task with no
+    loss of its own holding a transformers causal LM, that model's loss on its token batches;
+    None when there is neither."""
+    from framework.nn import hf_pipeline
+
+    own = getattr(task, "pipeline_batch", None) or _pair
+    if _defines_loss(task):
+        return Objective(own, task.loss)
+    found = hf_pipeline.find(task)
+    if found is None or not hf_pipeline.is_causal_lm(found[1]):
+        return None
+    loss = hf_pipeline.CausalLMLoss(found[1])
+    split = own if _overrides(task, "pipeline_batch") else hf_pipeline.split_batch
+    return Objective(split, loss, loss.begin)
+
+
+def _pair(batch: Any) -> tuple[Any, Any]:
+    x, y = batch
+    return x, y
+
+
+def _defines_loss(task: nn.Module) -> bool:
+    return callable(getattr(task, "loss", None)) and _overrides(task, "loss")
+
+
+def _overrides(task: nn.Module, method: str) -> bool:
+    """Whether the task's class defines `method` itself, not only inherits TaskModule's."""
+    from framework.task import TaskModule
+
+    mine = getattr(type(task), method, None)
+    return mine is not None and mine is not getattr(TaskModule, method, None)
 
 
 def check_covered(task: nn.Module, chain: Sequence[Layer]) -> None:

@@ -252,19 +252,18 @@ def precision(value: str) -> None:
 def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
     """Cut the meta-device task as the workers will: a loss, enough layers, valid split points,
     and no weight FSDP would have to shard twice."""
-    from framework.nn import pipeline
-    from framework.task import TaskModule
+    from framework.nn import hf_pipeline, pipeline
 
     task = model_of(job)
     task_cfg = job.task
     name = type(task).__name__
     n_stages = dims.pp * cfg.virtual_stages
-    if not hasattr(task, "loss") or type(task).loss is TaskModule.loss:
+    if pipeline.objective(task) is None:
         raise ConfigError(
             "task._target_",
             task_cfg._target_,
-            f"{name} defines no loss(output, target): pipeline parallel computes the loss on "
-            "the last stage with it",
+            f"{name} defines no loss(output, target) and holds no transformers causal LM: "
+            "pipeline parallel computes the loss on the last stage with it",
             hint="Add a loss method (and pipeline_batch, if a batch is not (input, target)).",
         )
     try:
@@ -273,12 +272,14 @@ def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
     except ValueError as err:
         raise ConfigError("strategy", "pipeline", str(err)) from None
     if n_stages > len(chain):
+        found = pipeline.find_model(task)
+        made_of = hf_pipeline.describe(*found) if found else None
         raise ConfigError(
             "strategy.pp",
             cfg.pp,
             f"{n_stages} stages (pp x virtual_stages) is more than the {len(chain)} layers of "
-            f"{name} ({', '.join(layer.name for layer in chain[:6])}, ...)",
-            hint="Use fewer stages, or a model with more layers.",
+            + (made_of or f"{name} ({', '.join(layer.name for layer in chain[:6])}, ...)"),
+            hint=f"Use at most {len(chain)} stages, or a model with more layers.",
         )
     if cfg.schedule == "zbv" and dims.data_size > 1 and pipeline.tied_across_layers(task, chain):
         raise ConfigError(

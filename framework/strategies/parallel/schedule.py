@@ -2,8 +2,8 @@
 
 Lightning's loop calls `training_step`, then `backward`, then the optimizer. Under a pipeline the
 schedule runs forward and backward of all microbatches together, so `training_step` runs the
-whole schedule (the task's `loss` on the last stage, scaled so the gradients are those of the
-batch mean) and `backward` only puts the gradients back (Lightning zeroes them in between).
+whole schedule (the task's loss on the last stage, scaled so the gradients are those of the
+batch mean: its own `loss`, or a transformers causal LM's, see pipeline.objective) and `backward` only puts the gradients back (Lightning zeroes them in between).
 When the optimizer is about to step (not while accumulating), a weight held by two pipeline
 ranks gets the sum of both gradients; the data-parallel reduction is FSDP's, driven by torch's
 pipeline stages. Validation runs each stage on the whole batch in turn.
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from framework.nn import pipeline
 from framework.parallel.gradients import match_parameter_layout, sum_tied
 from framework.strategies.parallel.stages import Ties
 from framework.strategies.parallel.timeline import Timeline
@@ -55,6 +56,7 @@ class PipelineRunner:
         from torch.distributed import pipelining
 
         self.stages, self.task = stages, task
+        self.objective = pipeline_objective(task)
         staged = []
         for s in self.mine:
             stage = pipelining.PipelineStage(
@@ -73,7 +75,7 @@ class PipelineRunner:
         )
 
     def loss_fn(self, output, target):
-        loss = self.task.loss(output, target)
+        loss = self.objective.loss(output, target)
         self.losses.append((loss.detach(), _rows(target)))
         accumulate = self.task.trainer.accumulate_grad_batches
         return loss / (self.microbatches * accumulate)
@@ -85,9 +87,11 @@ class PipelineRunner:
         also sum the tied weights' gradients. Returns the batch's mean loss."""
         task = self.task
         trainer = task.trainer
-        x, y = inputs_and_targets(task, batch)
+        x, y = self.objective.split(batch)
         args = (x,) if 0 in self.mine else ()
         target = y if self.n_stages - 1 in self.mine else None
+        if target is not None:
+            self.objective.begin(target, self.microbatches)
         self.losses = []
         if batch_idx % trainer.accumulate_grad_batches == 0:  # a new accumulation window
             for p in task.parameters():
@@ -124,13 +128,13 @@ class PipelineRunner:
                 sum_tied([next(params[n] for n in tied.names if n in params)], tied.group)
 
     def validation_step(self, batch, step_context) -> torch.Tensor:
-        task = self.task
-        x, y = inputs_and_targets(task, batch)
+        x, y = self.objective.split(batch)
         self.losses = []
         with step_context():
             out = self.forward_whole(x)
             if out is not None:
-                self.losses.append((task.loss(out, y).detach(), _rows(y)))
+                self.objective.begin(y, 1)
+                self.losses.append((self.objective.loss(out, y).detach(), _rows(y)))
         return self.shared_loss()
 
     def shared_loss(self) -> torch.Tensor:
@@ -179,13 +183,18 @@ def uncounted(stage, module) -> None:
         setattr(stage, name, paused)
 
 
+def pipeline_objective(task) -> pipeline.Objective:
+    """The task's loss and batch split under a pipeline (checked before launch to exist)."""
+    found = pipeline.objective(task)
+    if found is None:
+        raise ValueError(f"{type(task).__name__} defines no loss(output, target)")
+    return found
+
+
 def inputs_and_targets(task, batch):
-    """The task's `pipeline_batch(batch)`; a LightningModule without one has (x, y) batches."""
-    split = getattr(task, "pipeline_batch", None)
-    if split is not None:
-        return split(batch)
-    x, y = batch
-    return x, y
+    """(first stage's input, loss target) of a batch: the task's `pipeline_batch(batch)`, a
+    transformers causal LM's token batch, else an (x, y) pair."""
+    return pipeline_objective(task).split(batch)
 
 
 def _rows(target) -> int:

@@ -30,7 +30,7 @@ from framework.parallel.gradients import clip_by_total_norm, reduce_partial_grad
 from framework.parallel.parallelize import StageCut, TensorParallelSettings, parallelize
 from framework.parallel.placement import per_parameter_where_mixed, to_device
 from framework.strategies.parallel import checkpoint_io, stages
-from framework.strategies.parallel.schedule import PipelineRunner, inputs_and_targets
+from framework.strategies.parallel.schedule import PipelineRunner, pipeline_objective
 from framework.strategies.parallel.timeline import gathered_metrics, save_trace
 from framework.strategy_base import StrategyBase
 from framework.world import collective_backend
@@ -154,16 +154,18 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         are used everywhere, so all processes cut the same stages; the random state, the CPU's
         and the GPU's (dropout in the timed layers), is left untouched."""
         batch = next(iter(trainer.datamodule.train_dataloader()))
-        x, y = inputs_and_targets(task, batch)
+        objective = pipeline_objective(task)
+        x, y = objective.split(batch)
         rows = max(1, x.shape[0] // self.cfg.microbatches)
         device = self.root_device
         x, y = x[:rows].to(device), y[:rows].to(device)
+        objective.begin(y, 1)
         gpus = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=gpus):
             costs = pipeline.time_layers(
                 chain,
                 x,
-                lambda out: task.loss(out, y),
+                lambda out: objective.loss(out, y),
                 place=lambda layer: on_device(task, layer, device),
             )
         for p in task.parameters():
