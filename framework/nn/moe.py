@@ -38,7 +38,44 @@ def in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class TopKRouter(nn.Module):
+class LoadCounter(nn.Module):
+    """What balancing and the metrics read of a router: the tokens each expert received since
+    the last optimizer step, the router's entropy, its auxiliary loss (no parameters, nothing in
+    the state dict)."""
+
+    aux_loss_coeff = 0.0
+    z_loss_coeff = 0.0
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        # tokens routed to each expert since the last optimizer step (this rank's tokens)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.aux_loss = torch.zeros(())
+        self.stats: dict[str, torch.Tensor] = {}
+        self.counting = True  # off while a pipeline infers shapes with a trial forward
+
+    def count(self, chosen: torch.Tensor, probabilities: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert of `chosen` [T, k]; added to the step's counts once per token
+        in training (not again by activation checkpointing's recompute)."""
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).float()
+        if self.training and self.counting and torch.is_grad_enabled() and not in_recompute():
+            self.tokens_per_expert += counts
+            with torch.no_grad():  # nothing saved for backward: recompute saves the same
+                p = probabilities.detach()
+                self.stats = {
+                    "counts": counts,
+                    "entropy": -(p * p.clamp_min(1e-20).log()).sum(-1).mean(),
+                }
+        return counts
+
+    @torch.no_grad()
+    def update_bias(self, global_counts: torch.Tensor) -> None:
+        """Once per optimizer step, with the counts summed over the data ranks: a new count."""
+        self.tokens_per_expert.zero_()
+
+
+class TopKRouter(LoadCounter):
     """Top-k expert choice per token, from fp32 scores; keeps what balancing and metrics need."""
 
     def __init__(
@@ -52,14 +89,13 @@ class TopKRouter(nn.Module):
         z_loss_coeff: float = 0.0,
         routing: str = "learned",
     ) -> None:
-        super().__init__()
+        super().__init__(num_experts)
         if routing not in ROUTINGS:
             raise ValueError(f"routing={routing!r} is not one of {ROUTINGS}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
         if score not in SCORES:
             raise ValueError(f"score={score!r} is not one of {SCORES}")
-        self.num_experts = num_experts
         self.top_k = top_k
         self.score = score
         self.bias_update_rate = bias_update_rate
@@ -69,11 +105,6 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(dim, num_experts, bias=False)
         # selects experts only; moved towards equal load once per optimizer step (checkpointed)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
-        # tokens routed to each expert since the last optimizer step (this rank's tokens)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
-        self.aux_loss = torch.zeros(())
-        self.stats: dict[str, torch.Tensor] = {}
-        self.counting = True  # off while a pipeline infers shapes with a trial forward
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate weights [T, k] in fp32 or wider, expert ids [T, k]) for tokens x [T, dim]."""
@@ -88,15 +119,7 @@ class TopKRouter(nn.Module):
         weights = scores.gather(-1, chosen)
         if self.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
-        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).float()
-        if self.training and self.counting and torch.is_grad_enabled() and not in_recompute():
-            self.tokens_per_expert += counts  # once per token, also under recompute
-            with torch.no_grad():  # nothing saved for backward: recompute saves the same
-                p = scores.detach()
-                self.stats = {
-                    "counts": counts,
-                    "entropy": -(p * p.clamp_min(1e-20).log()).sum(-1).mean(),
-                }
+        counts = self.count(chosen, scores)
         self.aux_loss = self.balance_loss(logits, scores, counts)
         return weights, chosen
 
@@ -118,15 +141,46 @@ class TopKRouter(nn.Module):
             self.expert_bias += self.bias_update_rate * torch.sign(
                 global_counts.mean() - global_counts
             )
-        self.tokens_per_expert.zero_()
+        super().update_bias(global_counts)
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
+def local_part(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an expert weight (a DTensor under expert parallel), else itself."""
     return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def grouped_gemm_fits(x: torch.Tensor, dims: tuple[int, ...], gemm: str = "auto") -> bool:
+    """Whether `grouped_mm` runs the expert GEMMs of x: fp32 or bf16, rows of every size in
+    `dims` whose byte strides divide by 16 (gemm 'grouped' or 'loop' forces the choice)."""
+    if gemm != "auto":
+        return gemm == "grouped"
+    size = x.element_size()
+    return x.dtype in (torch.float32, torch.bfloat16) and all(d * size % 16 == 0 for d in dims)
+
+
+def autocast_inputs(x: torch.Tensor, weights: list[torch.Tensor], dims, gemm: str):
+    """x and the expert weights in autocast's dtype where grouped_mm will run them: it is not
+    on autocast's list, so under bf16-mixed it would run in fp32 and miss the GPU's bf16 grouped
+    GEMM; cast as autocast casts the per-expert loop's matmuls."""
+    low = autocast_dtype(x.device.type)
+    if low is not None and grouped_gemm_fits(x.to(low), dims, gemm):
+        return x.to(low), [w.to(low) for w in weights]
+    return x, weights
+
+
+def expert_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool):
+    """Rows of x sorted by expert (`counts[e]` for expert e) times their expert's w[e].T."""
+    if grouped:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    outs = [rows @ w[e].t() for e, rows in enumerate(torch.split(x, counts.tolist()))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: w1, w3 (E, hidden, dim) and w2 (E, dim, hidden), stacked."""
+
+    weight_names = ("w1", "w2", "w3")  # the stacked weights expert parallel splits on dim 0
 
     def __init__(self, dim: int, hidden: int, num_experts: int, gemm: str = "auto") -> None:
         super().__init__()
@@ -142,58 +196,29 @@ class GroupedExperts(nn.Module):
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         """grouped_mm where it runs: fp32 or bf16, rows whose byte strides divide by 16."""
-        if self.gemm != "auto":
-            return self.gemm == "grouped"
-        size = x.element_size()
-        dims = (self.w1.shape[-1], self.w1.shape[-2])
-        return x.dtype in (torch.float32, torch.bfloat16) and all(d * size % 16 == 0 for d in dims)
+        return grouped_gemm_fits(x, (self.w1.shape[-1], self.w1.shape[-2]), self.gemm)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of x sorted by expert, `counts[e]` rows for this rank's expert e."""
-        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
-        low = autocast_dtype(x.device.type)
-        if low is not None and self.use_grouped(x.to(low)):
-            # grouped_mm is not on autocast's list: under bf16-mixed it would run in fp32 and
-            # miss the GPU's bf16 grouped GEMM; cast as autocast casts the loop's matmuls
-            x, w1, w3, w2 = (t.to(low) for t in (x, w1, w3, w2))
-        if self.use_grouped(x):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            h = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-        outs = []
-        for e, rows in enumerate(torch.split(x, counts.tolist())):
-            h = F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())
-            outs.append(h @ w2[e].t())
-        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+        dims = (self.w1.shape[-1], self.w1.shape[-2])
+        x, (w1, w3, w2) = autocast_inputs(
+            x, [local_part(w) for w in (self.w1, self.w3, self.w2)], dims, self.gemm
+        )
+        grouped = self.use_grouped(x)
+        h = F.silu(expert_gemm(x, w1, counts, grouped)) * expert_gemm(x, w3, counts, grouped)
+        return expert_gemm(h, w2, counts, grouped)
 
 
-class MoE(nn.Module):
-    """Router + experts (+ shared experts): y = shared(x) + sum over the k chosen e of w_e E_e(x)."""
+class ExpertDispatch(nn.Module):
+    """What every mixture-of-experts layer shares: tokens sorted by their chosen experts, run by
+    `self.experts(rows, counts)` (here, or over the expert-parallel ranks by all-to-all), and
+    combined with their gate weights. A layer sets `num_experts`, `router` (a LoadCounter) and
+    `experts` (a module with `weight_names`, its stacked (E, ...) weights)."""
 
-    def __init__(
-        self,
-        dim: int,
-        hidden: int,
-        num_experts: int = 8,
-        top_k: int = 2,
-        shared_experts: int = 0,
-        score: str = "softmax",
-        capacity_factor: float | None = None,
-        bias_update_rate: float = 1e-3,
-        aux_loss_coeff: float = 0.0,
-        z_loss_coeff: float = 0.0,
-        gemm: str = "auto",
-        routing: str = "learned",
-    ) -> None:
+    def __init__(self, num_experts: int, capacity_factor: float | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.capacity_factor = capacity_factor
-        self.router = TopKRouter(
-            dim, num_experts, top_k, score, bias_update_rate, aux_loss_coeff, z_loss_coeff, routing
-        )
-        self.experts = GroupedExperts(dim, hidden, num_experts, gemm)
-        self.shared = SwiGLU(dim, hidden * shared_experts) if shared_experts else None
         self.ep_group = None  # expert-parallel process group (None: every expert here)
         self.ep_size = 1
         self.ep_rank = 0
@@ -206,9 +231,9 @@ class MoE(nn.Module):
             raise ValueError(f"num_experts={self.num_experts} is not divisible by ep={size}")
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.router(flat)
+    def dispatch(self, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor):
+        """sum over the k chosen experts e of weights[t, e] * E_e(flat[t]), for tokens [T, dim],
+        in flat's dtype (the products and their sum in the gate weights' dtype)."""
         k = chosen.shape[-1]
         expert_of = chosen.flatten()
         order = torch.argsort(expert_of, stable=True)
@@ -222,10 +247,7 @@ class MoE(nn.Module):
         combined = flat.new_zeros(expert_of.numel(), flat.shape[-1], dtype=out_rows.dtype)
         combined[order] = out_rows
         y = (combined.view(-1, k, flat.shape[-1]).to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
-        y = y.to(x.dtype)
-        if self.shared is not None:
-            y = y + self.shared(flat)
-        return y.view_as(x)
+        return y.to(flat.dtype)
 
     def capacity_mask(self, sorted_experts: torch.Tensor, counts: torch.Tensor):
         """With a capacity factor: which of the expert-sorted assignments fit (None: all)."""
@@ -262,6 +284,40 @@ class MoE(nn.Module):
         back[regroup] = done
         self.rows_sent = sum(send) - send[self.ep_rank]
         return all_to_all_single(back, send, recv, self.ep_group)
+
+
+class MoE(ExpertDispatch):
+    """Router + experts (+ shared experts): y = shared(x) + sum over the k chosen e of w_e E_e(x)."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int = 8,
+        top_k: int = 2,
+        shared_experts: int = 0,
+        score: str = "softmax",
+        capacity_factor: float | None = None,
+        bias_update_rate: float = 1e-3,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        gemm: str = "auto",
+        routing: str = "learned",
+    ) -> None:
+        super().__init__(num_experts, capacity_factor)
+        self.router = TopKRouter(
+            dim, num_experts, top_k, score, bias_update_rate, aux_loss_coeff, z_loss_coeff, routing
+        )
+        self.experts = GroupedExperts(dim, hidden, num_experts, gemm)
+        self.shared = SwiGLU(dim, hidden * shared_experts) if shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat)
+        y = self.dispatch(flat, weights, chosen)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view_as(x)
 
 
 class SwiGLU(nn.Module):

@@ -20,14 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
-
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The mixture-of-experts layers of a model (framework.nn.moe.MoE), in module order."""
-    from framework.nn.moe import MoE
+    """The mixture-of-experts layers of a model (framework.nn.moe.MoE, and transformers' sparse
+    MoE blocks once framework.nn.hf_moe has swapped them), in module order."""
+    from framework.nn.moe import ExpertDispatch
 
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    return [m for m in model.modules() if isinstance(m, ExpertDispatch)]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> set[nn.Parameter]:
@@ -39,7 +38,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> set[nn.Parameter]:
     experts: set[nn.Parameter] = set()
     for moe in moe_layers(model):
         moe.set_expert_parallel(ep_mesh.get_group(), size, rank)
-        for name in EXPERT_WEIGHTS:
+        for name in moe.experts.weight_names:
             full = getattr(moe.experts, name)
             mine = full.detach().chunk(size, dim=0)[rank].clone()
             param = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False))
@@ -49,7 +48,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> set[nn.Parameter]:
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [getattr(m.experts, n) for m in moe_layers(model) for n in EXPERT_WEIGHTS]
+    return [getattr(m.experts, n) for m in moe_layers(model) for n in m.experts.weight_names]
 
 
 def scale_expert_gradients(params: list[nn.Parameter], ep: int) -> None:

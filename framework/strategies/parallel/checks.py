@@ -317,22 +317,35 @@ def split_points(cfg: Any, chain: list, n_stages: int, name: str) -> None:
 
 
 def experts(cfg: Any, dims: ParallelDims, job: Any) -> None:
-    """ep > 1 needs mixture-of-experts layers whose experts split evenly; MoE losses and
-    sequence parallel are checked against the layout."""
+    """ep > 1 needs mixture-of-experts layers whose experts split evenly (framework.nn.MoE, or the
+    sparse MoE blocks a transformers model's ep plan names, which must be ones the framework
+    applies); MoE losses and sequence parallel are checked against the layout."""
+    from framework.nn.hf_moe import sparse_blocks
     from framework.parallel.experts import moe_layers
 
-    layers = (
-        moe_layers(model_of(job)) if (dims.ep > 1 or dims.pp > 1 or cfg.sequence_parallel) else []
-    )
-    if dims.ep > 1 and not layers:
+    model = model_of(job) if (dims.ep > 1 or dims.pp > 1 or cfg.sequence_parallel) else None
+    layers = moe_layers(model) if model is not None else []
+    # swapped into framework layers by the workers under ep > 1 (framework.nn.hf_moe)
+    blocks = sparse_blocks(model, dims.ep) if dims.ep > 1 else []
+    if dims.ep > 1 and not layers and not blocks:
         raise ConfigError(
             "strategy.ep",
             cfg.ep,
-            f"{type(model_of(job)).__name__} has no mixture-of-experts layer "
-            "(framework.nn.MoE), so there are no experts to split",
+            f"{type(model).__name__} has no mixture-of-experts layer "
+            "(framework.nn.MoE, or a transformers MoE model's experts in its ep_plan), so there "
+            "are no experts to split",
             [1],
             hint="Build the model's MLPs from framework.nn.MoE (see recipes/moe_gpt), or use ep=1.",
         )
+    for block in blocks:
+        if block.num_experts % dims.ep:
+            raise ConfigError(
+                "strategy.ep",
+                dims.ep,
+                f"the transformers MoE block {block.path} has {block.num_experts} experts, which "
+                "do not split evenly over it",
+                [d for d in range(1, block.num_experts + 1) if block.num_experts % d == 0],
+            )
     for layer in layers:
         if dims.ep > 1 and layer.num_experts % dims.ep:
             raise ConfigError(
