@@ -23,6 +23,7 @@ from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from framework.nn import pipeline
+from framework.nn.hf_moe import swap_sparse_blocks
 from framework.parallel.dims import ParallelDims
 from framework.parallel.experts import expert_parameters, scale_expert_gradients
 from framework.parallel.fsdp import FSDPSettings
@@ -72,6 +73,8 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         # Lightning reads this name (logging, the task's `device_mesh`)
         self._device_mesh = self.mesh.root
         self.lightning_module._device_mesh = self.mesh.root
+        if self.dims.ep > 1:  # before the callbacks' setup, which looks for the MoE layers
+            swap_sparse_blocks(self.lightning_module, self.dims.ep)
 
     def model_to_device(self) -> None:
         # Lightning's moves DTensors too (FSDP's CPU-offloaded shards): only what they left
