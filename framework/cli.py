@@ -29,7 +29,9 @@ usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]   train (-m: o
                                                   a search on Optuna, each trial a `fw train`
                                                   job, e.g. 'task.optimizer.lr=tag(log,
                                                   interval(1e-4, 1e-2))'; resumable, parallel
-       fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force] [--trust]   write one plain state dict
+       fw export RUN_DIR_OR_CHECKPOINT OUT [--format pt|hf] [--max-shard-size SIZE] [--force]
+                 [--trust]                        the trained model: one plain state dict (pt),
+                                                  or a transformers directory (hf)
        fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]     draw loss, speed, memory (runs overlaid)
        fw --help | fw COMMAND --help                       this text, or one command's usage and options
 
@@ -78,13 +80,21 @@ task.data.prepared); a killed preparation resumes. See docs/data.md.
   --config-dir DIR       another directory of config groups
 """,
     "export": """\
-usage: fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force] [--trust]
+usage: fw export RUN_DIR_OR_CHECKPOINT OUT [--format pt|hf] [--max-shard-size SIZE] [--force]
+                 [--trust]
 
-Write one plain PyTorch state dict (parameter name -> tensor) from a run's last checkpoint or
-from the checkpoint directory given, whatever strategy wrote it.
-  --force   replace OUT.pt if it exists
-  --trust   read a checkpoint whose pickles name more than data (refused otherwise: loading
-            it could run code; see docs/security.md)
+Export the model of a run's last checkpoint, or of the checkpoint directory given, whatever
+strategy wrote it.
+  --format pt            (default) OUT is one plain PyTorch state dict (parameter name ->
+                         tensor), e.g. model.pt
+  --format hf            OUT is a directory that transformers' from_pretrained loads: the
+                         task's transformers model (config.json, safetensors weights, and the
+                         tokenizer files of task.model.pretrained's directory)
+  --max-shard-size SIZE  with --format hf: the largest safetensors file (default 5GB); a
+                         bigger model is split, with model.safetensors.index.json
+  --force                replace OUT if it exists
+  --trust                read a checkpoint whose pickles name more than data (refused
+                         otherwise: loading it could run code; see docs/security.md)
 """,
     "plot": """\
 usage: fw plot RUN_DIR [RUN_DIR ...] [--out FILE.png]
@@ -125,19 +135,41 @@ def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
     return multirun, dirs, overrides, want_help
 
 
+EXPORT_OPTIONS = ("--format", "--max-shard-size", "--force", "--trust")
+
+
 def export_command(args: list[str]) -> int:
     from framework.export import export
 
-    force, trust = "--force" in args, "--trust" in args
-    paths = [a for a in args if a not in ("--force", "--trust")]
-    if len(paths) != 2 or any(p.startswith("-") for p in paths):
+    options: dict[str, str | None] = {"--format": None, "--max-shard-size": None}
+    flags, paths, words = set(), [], iter(args)
+    for word in words:
+        name, eq, value = word.partition("=")
+        if name in options:
+            options[name] = value if eq else next(words, None)
+            if not options[name]:
+                raise ConfigError(name, None, "needs a value")
+        elif word in ("--force", "--trust"):
+            flags.add(word)
+        elif word.startswith("-"):
+            raise ConfigError("option", word, "unknown option of fw export", EXPORT_OPTIONS)
+        else:
+            paths.append(word)
+    if len(paths) != 2:
         raise ConfigError(
             "export",
             " ".join(args),
             "expects a source and an output path",
-            hint="Usage: fw export RUN_DIR_OR_CHECKPOINT OUT.pt [--force] [--trust]",
+            hint="Usage: fw export RUN_DIR_OR_CHECKPOINT OUT [--format pt|hf] [--force] [--trust]",
         )
-    export(Path(paths[0]), Path(paths[1]), force=force, trust=trust)
+    export(
+        Path(paths[0]),
+        Path(paths[1]),
+        force="--force" in flags,
+        trust="--trust" in flags,
+        fmt=options["--format"] or "pt",
+        max_shard_size=options["--max-shard-size"],
+    )
     return 0
 
 

@@ -1,8 +1,10 @@
-"""`fw export RUN_DIR_OR_CHECKPOINT OUT.pt`: one plain state dict, loadable without this framework.
+"""`fw export RUN_DIR_OR_CHECKPOINT OUT [--format pt|hf]`: the trained model, loadable without
+this framework.
 
-The output is a `dict[str, torch.Tensor]` saved with `torch.save`, so
+`pt` (the default): a `dict[str, torch.Tensor]` saved with `torch.save`, so
 `torch.load(path, weights_only=True)` reads it anywhere torch is installed. Keys are those of the
-task module's `state_dict()` (e.g. `model.blocks.0.attn.qkv.weight`).
+task module's `state_dict()` (e.g. `model.blocks.0.attn.qkv.weight`). `hf`: the task's
+transformers model as a directory `from_pretrained` loads (framework.export_hf).
 """
 
 from __future__ import annotations
@@ -54,19 +56,42 @@ def deepspeed_state(path: Path) -> dict:
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
-def export(source: Path, out: Path, force: bool = False, trust: bool = False) -> Path:
-    """`trust`: read a checkpoint whose pickles name more than data (see framework.safe_load)."""
+FORMATS = ("pt", "hf")
+
+
+def export(
+    source: Path,
+    out: Path,
+    force: bool = False,
+    trust: bool = False,
+    fmt: str = "pt",
+    max_shard_size: str | None = None,
+) -> Path:
+    """`trust`: read a checkpoint whose pickles name more than data (see framework.safe_load);
+    `max_shard_size`: the largest safetensors file of `fmt="hf"`."""
     import torch
 
+    if fmt not in FORMATS:
+        raise ConfigError("--format", fmt, "unknown export format", FORMATS)
+    if max_shard_size is not None and fmt != "hf":
+        raise ConfigError("--max-shard-size", max_shard_size, "applies to --format hf only")
     if out.exists() and not force:
         raise ConfigError(
             "out", str(out), "already exists", hint="Choose another path or add --force."
         )
     if not out.parent.is_dir():
         raise ConfigError("out", str(out), f"directory {out.parent} does not exist")
+    if fmt == "hf":
+        from framework.export_hf import DEFAULT_SHARD_SIZE, shard_size
+
+        shard_size(max_shard_size or DEFAULT_SHARD_SIZE)  # refused before any reading
     ckpt = checkpointing.resolve(source, "source")
     if not trust:
         resume.check_safe(ckpt, "source")
+    if fmt == "hf":
+        from framework.export_hf import export_hf
+
+        return export_hf(ckpt, out, max_shard_size or DEFAULT_SHARD_SIZE, force)
     state = consolidated_state(ckpt)
     # whole or not at all, under a fresh temporary name (a planted symlink is not followed)
     files.write_atomic_with(out, lambda fh: torch.save(state, fh))
