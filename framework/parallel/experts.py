@@ -31,10 +31,15 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> set[nn.Parameter]:
     """Keep this rank's experts of every MoE layer (as Shard(0) DTensors over `ep_mesh`) and give
-    each layer its all-to-all group; returns the expert parameters (for FSDP to ignore)."""
+    each layer its all-to-all group; returns the expert parameters (for FSDP to ignore).
+    transformers' sparse MoE blocks are swapped for framework layers first (the parallel
+    strategy did it already, before its callbacks' setup; fw check's simulation does it here)."""
     from torch.distributed.tensor import DTensor, Shard
 
+    from framework.nn.hf_moe import swap_sparse_blocks
+
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    swap_sparse_blocks(model, size)
     experts: set[nn.Parameter] = set()
     for moe in moe_layers(model):
         moe.set_expert_parallel(ep_mesh.get_group(), size, rank)
