@@ -1,19 +1,53 @@
 """Running inside a job that already started the processes: torchrun or SLURM (`srun`).
 
-`fw` then starts nothing: each process trains as the rank it already is. Its process layout
-must be the one the config asks for (`trainer.devices` per node x `trainer.num_nodes`), checked
-before anything is written. Under SLURM the tasks per node come from `SLURM_TASKS_PER_NODE`
-(what `srun -n N` sets); Lightning reads `SLURM_NTASKS_PER_NODE` (what `--ntasks-per-node`
-sets), so it is filled in from the former when only that is given.
+`fw` then starts nothing: this module is the launcher the runner picks there by itself (in
+place of `launcher.kind`), and each process trains as the rank it already is. Its process
+layout must be the one the config asks for (`trainer.devices` per node x `trainer.num_nodes`),
+checked before anything is written. Under SLURM the tasks per node come from
+`SLURM_TASKS_PER_NODE` (what `srun -n N` sets); Lightning reads `SLURM_NTASKS_PER_NODE` (what
+`--ntasks-per-node` sets), so it is filled in from the former when only that is given.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
+from framework.config.fields import doc
 from framework.errors import ConfigError
-from framework.world import World
+from framework.world import World, global_rank
+
+KIND = "framework.external"  # not a `launcher=` choice: fw picks it inside torchrun/srun
+
+
+@dataclass
+class Config:
+    """No settings: the enclosing torchrun or SLURM job has started the processes already."""
+
+    kind: str = doc(KIND, "Launcher plugin (picked by fw inside torchrun/srun).")
+
+
+def validate(cfg: Config, world: World) -> None:
+    check_world(world)
+
+
+def join(cfg: Config, world: World, config: dict) -> bool:
+    """Rank 0 writes the run directory's state (run.json); every rank has composed the same
+    config, and writes config.yaml itself before reading it back."""
+    return global_rank() == 0
+
+
+def build(cfg: Config, world: World):
+    """A function that trains this process as its rank of the enclosing job."""
+
+    def launch(config_path: Path, resume_from: Path | None = None) -> None:
+        from framework import worker
+
+        worker.entry(config_path, resume_from)
+
+    return launch
 
 
 def job_id() -> str | None:

@@ -15,20 +15,21 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import checkpointing, files, resume
+from framework import checkpointing, external, files, resume
 from framework.config.compose import compose_config, expand_sweeps
 from framework.config.validate import validate
 from framework.context import flatten, load_run_state
 from framework.errors import EXIT_PREEMPTED, ConfigError
-from framework.external import check_world, job_id
 from framework.plugins import load_plugin, typed_config
 from framework.secrets import ENV as SECRETS_ENV
 from framework.secrets import key_pattern, redact
-from framework.world import World, global_rank
+from framework.world import World
 
 log = logging.getLogger("framework.runner")
 
@@ -52,11 +53,11 @@ def plan(
 ) -> list[Job]:
     """Compose, resolve and validate every job of the command before any of them starts
     (`trust`: resume from a checkpoint that framework.safe_load refuses)."""
-    external = job_id()
-    if multirun and external:
+    enclosing = external.job_id()  # torchrun's or SLURM's
+    if multirun and enclosing:
         raise ConfigError("-m", "multirun", "a sweep cannot run inside a torchrun/SLURM job")
     sweep = expand_sweeps(overrides) if multirun else [list(overrides)]
-    base = Path(external and f"runs/{external}" or time.strftime("runs/%Y-%m-%d_%H-%M-%S"))
+    base = Path(enclosing and f"runs/{enclosing}" or time.strftime("runs/%Y-%m-%d_%H-%M-%S"))
     jobs: list[Job] = []
     for number, job_overrides in enumerate(sweep):
         cfg = compose_config(job_overrides, extra_dirs)
@@ -69,8 +70,8 @@ def plan(
         cfg.run.dir = str(run_dir.resolve())
         resolve(cfg)
         world = validate(cfg)
-        if external:
-            check_world(world)
+        if enclosing:
+            external.check_world(world)
         jobs.append(Job(cfg, world, Path(cfg.run.dir), group=group))
     for job in jobs:
         check_run_dir(job.run_dir)
@@ -134,14 +135,25 @@ def _can_create_in(directory: Path) -> bool:
     return True
 
 
-def write_config(job: Job) -> Path:
-    """Create the run directory; write config.yaml (secrets redacted) and run.json atomically.
+def write_config(job: Job, state: bool = True) -> Path:
+    """Create the run directory; write config.yaml (secrets redacted) and, with `state`,
+    run.json, atomically.
 
     run.json keeps the run id chosen at the first start, so restarts log to the same W&B run.
     """
     mode = files.dir_mode(job.cfg.run.dir_mode)
     files.make_dir(job.run_dir, mode)
     files.make_dir(job.run_dir / "checkpoints", mode)
+    path = job.run_dir / "config.yaml"
+    if state:
+        write_run_state(job)
+    checkpointing.write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(redacted_config(job))))
+    return path
+
+
+def write_run_state(job: Job) -> None:
+    """run.json: the run id (a W&B agent's, else a new one, kept from the first start) and the
+    W&B group."""
     state = load_run_state(job.run_dir)
     # a W&B sweep agent names the run it starts: a single job takes that id (and so joins the
     # agent's sweep); the jobs of a multirun get their own
@@ -149,9 +161,6 @@ def write_config(job: Job) -> Path:
     state.setdefault("run_id", agent or new_run_id())
     state["group"] = state.get("group") or job.group
     checkpointing.write_json_atomic(job.run_dir / "run.json", state)
-    path = job.run_dir / "config.yaml"
-    checkpointing.write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(redacted_config(job))))
-    return path
 
 
 def redacted_config(job: Job) -> dict:
@@ -173,28 +182,28 @@ def new_run_id() -> str:
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
-def run_job(job: Job) -> None:
-    """Hand the job to its launcher (which may train here, for one process), or train here as
-    this process's rank inside torchrun/srun."""
-    from framework import worker
+def job_launcher(cfg: DictConfig) -> tuple[ModuleType, Any]:
+    """The launcher plugin of a job and its typed config: inside torchrun/srun, where this
+    process is its rank already, framework.external; elsewhere the one `launcher.kind` names."""
+    if external.job_id() is not None:
+        return external, external.Config()
+    launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
+    return launcher, typed_config(launcher, cfg.launcher)
 
-    external = job_id() is not None
-    launcher = launcher_cfg = None
-    writes = global_rank() == 0
-    if not external:
-        launcher = load_plugin("launcher", job.cfg.launcher.kind, "launcher.kind")
-        launcher_cfg = typed_config(launcher, job.cfg.launcher)
-        # several machines: the first node to arrive writes, once every node has the same config
-        writes = launcher.join(launcher_cfg, job.world, redacted_config(job))
+
+def run_job(job: Job) -> None:
+    """Hand the job to its launcher, which starts its workers (or trains here, for one process
+    or as this process's rank inside torchrun/srun)."""
+    launcher, launcher_cfg = job_launcher(job.cfg)
+    # several machines: the first node to arrive writes, once every node has the same config;
+    # inside torchrun/srun: rank 0
+    writes = launcher.join(launcher_cfg, job.world, redacted_config(job))
     pass_secrets(job)
+    # every process writes config.yaml: the ranks of torchrun/srun start together and each
+    # reads it at once (they composed the same config, and the last atomic write wins)
+    config_path = write_config(job, state=writes)
     if writes:
-        config_path = write_config(job)
         log.info("Run directory: %s", job.run_dir)
-    else:
-        config_path = job.run_dir / "config.yaml"
-    if launcher is None:  # inside torchrun or srun: this process is its rank already
-        worker.run(job.cfg, job.run_dir, job.resume_from)
-        return
     launch = launcher.build(launcher_cfg, job.world)
     launch(config_path, job.resume_from)
 

@@ -1,8 +1,10 @@
 """Inside each worker: read the frozen config, build the Trainer and its parts, fit.
 
-Started by the launcher as `python -m framework.worker RUN_DIR/config.yaml [--resume CKPT]` (one
-process per device, with torch's elastic environment variables), or called in-process for one
-process, or under an external torchrun/SLURM job.
+`entry` is the one way in, and the launchers are what call it: `launcher=local` in the `fw`
+process for one process, or in each worker it forks, or as `python -m framework.worker
+RUN_DIR/config.yaml [--resume CKPT]` in each worker it spawns (one process per device, with
+torch's elastic environment variables); `launcher=slurm` in each SLURM task; framework.external
+in each rank of a torchrun or srun job.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework import lr_scaling, secrets, watchdog
 from framework.context import RunContext, load_run_state
+from framework.instantiate import build_task, instantiate_args
 from framework.logs import quiet_lightning, setup_logging
 from framework.plugins import load_plugin, typed_config
+from framework.processes import die_with_parent
 from framework.strategy_base import StrategyInputs
 from framework.world import RESTART_ENV, World
 
@@ -38,8 +43,66 @@ TRAINER_KEYS_SKIPPED = (
 )
 
 
-def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
-    """Train one job in this process; returns the fitted lightning.Trainer."""
+STARTS = ("here", "fork", "spawn")  # how the process that runs `entry` came to be
+
+
+def entry(
+    config_path: str | Path,
+    resume_from: str | Path | None = None,
+    started: str = "here",
+    on_preempted: Callable[[Exception], None] | None = None,
+) -> None:
+    """Train the job whose run directory holds `config_path` (its frozen config.yaml) as this
+    process's rank, from the checkpoint `resume_from` (None or '': from the start).
+
+    `started`: "here" for the `fw` process itself (one process) and for a rank that torchrun,
+    srun or SLURM started; "fork" or "spawn" for a worker process that launcher=local started,
+    which then dies with its parent and ends with exit code 75 when preempted (what the
+    launcher reads). A preemption (a checkpoint saved on SIGTERM/SIGUSR1/SIGUSR2) otherwise
+    raises callbacks._checkpointer.Preempted (`fw` exits 75), or, when `on_preempted` is given,
+    is handed to it (launcher=slurm requeues the job).
+    """
+    from framework.callbacks._checkpointer import Preempted
+
+    if started not in STARTS:
+        raise ValueError(f"started={started!r}: one of {', '.join(STARTS)}")
+    if started != "here":
+        become_child(started)
+    path = Path(config_path)
+    train = _train
+    if started == "spawn":  # a forked worker's function is recorded by the elastic agent
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        train = record(_train)  # its exception, in the error file the launcher reports
+    try:
+        # nothing is returned: a forked worker's result would be pickled back to the launcher
+        train(OmegaConf.load(path), path.parent, Path(resume_from) if resume_from else None)
+    except Preempted as stop:
+        if on_preempted is not None:
+            on_preempted(stop)
+        elif started == "here":
+            raise
+        else:
+            sys.exit(stop.exit_code)
+
+
+def become_child(started: str) -> None:
+    """A worker process of launcher=local: dies with the launcher; a forked one drops the
+    launcher's signal handlers (copied by fork), a spawned one finds the user's modules."""
+    import signal
+
+    if started == "fork":
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    die_with_parent()
+    if started == "spawn" and os.getcwd() not in sys.path:
+        # started with -P: the user's modules, after the packages
+        sys.path.append(os.getcwd())
+
+
+def _train(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
+    """Train one job in this process (`entry` calls it); returns the fitted lightning.Trainer."""
     setup_logging()
     import lightning.pytorch as pl
 
@@ -211,93 +274,23 @@ def use_tf32(world: World, precision: str) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True  # cuDNN's convolutions already use TF32
 
 
-def instantiate_args(node: DictConfig, **extra: Any) -> Any:
-    from hydra.utils import get_class
-
-    args = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "_target_"}
-    return get_class(node._target_)(**args, **extra)
-
-
-def build_task(task_cfg: DictConfig) -> Any:
-    from hydra.utils import get_class
-
-    from framework.task import TaskModule
-
-    cls = get_class(task_cfg._target_)
-    task = cls(**OmegaConf.to_container(task_cfg.model, resolve=True))
-    if isinstance(task, TaskModule):
-        task.configure_from(
-            OmegaConf.to_container(task_cfg.optimizer, resolve=True),
-            OmegaConf.to_container(task_cfg.scheduler, resolve=True),
-        )
-    return task
+def build_callback(name: str, node: DictConfig, ctx: RunContext) -> Any:
+    if "_target_" in node:
+        return instantiate_args(node)
+    return build_plugin("callbacks", name, node, ctx)
 
 
-def build_callback(name: str, entry: DictConfig, ctx: RunContext) -> Any:
-    if "_target_" in entry:
-        return instantiate_args(entry)
-    return build_plugin("callbacks", name, entry, ctx)
-
-
-def build_plugin(family: str, name: str, entry: DictConfig, ctx: RunContext) -> Any:
+def build_plugin(family: str, name: str, node: DictConfig, ctx: RunContext) -> Any:
     """A logger or callback plugin's object, built from its typed config."""
-    plugin = load_plugin(family, entry.kind, f"{family}.{name}.kind")
-    return plugin.build(typed_config(plugin, entry), ctx)
-
-
-def die_with_parent(sig: int | None = None) -> None:
-    """Ask Linux to send `sig` (default SIGKILL) to this process when the process that started
-    it dies (even by kill -9).
-
-    The elastic launcher starts each worker in its own session, so without this an orphaned
-    worker would go on training, and writing checkpoints, next to a restarted job. (`fw sweep`
-    asks for SIGTERM for its trials' `fw train`: they checkpoint and stop.)
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL if sig is None else sig, 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before the request took effect
-        os._exit(1)
-
-
-def forked_entry(config_path: str, resume: str) -> None:
-    """A worker forked from the `fw` process: Lightning and the task are already imported."""
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)  # not the launcher's handlers, copied by fork
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    die_with_parent()
-    from framework.callbacks._checkpointer import Preempted
-
-    path = Path(config_path)
-    try:
-        run(OmegaConf.load(path), path.parent, Path(resume) if resume else None)
-    except Preempted as stop:
-        sys.exit(stop.exit_code)
+    plugin = load_plugin(family, node.kind, f"{family}.{name}.kind")
+    return plugin.build(typed_config(plugin, node), ctx)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from framework.callbacks._checkpointer import Preempted
-
-    die_with_parent()
-    if os.getcwd() not in sys.path:  # started with -P: the user's modules, after the packages
-        sys.path.append(os.getcwd())
+    """`python -m framework.worker CONFIG [--resume CKPT]`: a worker spawned by launcher=local."""
     args = sys.argv[1:] if argv is None else argv
-    config_path = Path(args[0])
-    resume = Path(args[args.index("--resume") + 1]) if "--resume" in args else None
-    cfg = OmegaConf.load(config_path)
-    try:
-        record(run)(cfg, config_path.parent, resume)
-    except Preempted as stop:
-        sys.exit(stop.exit_code)
+    resume = args[args.index("--resume") + 1] if "--resume" in args else None
+    entry(args[0], resume, "spawn")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`launcher=local`: one worker per device on this machine, started by torch's elastic launch.
 
 This is the machinery torchrun uses (rendezvous, worker monitoring, error files), driven from
-Python: the workers run `python -m framework.worker RUN_DIR/config.yaml`, never `sys.argv` again.
+Python: each worker enters through `framework.worker.entry` (forked from the `fw` process, or
+spawned as `python -m framework.worker RUN_DIR/config.yaml`), never `sys.argv` again.
 When a worker fails, the others are stopped within `shutdown_timeout` seconds and the failure is
 reported with the rank, its exit code and its exception; with `max_restarts` the workers are then
 started again from the newest complete checkpoint. A watchdog (framework.watchdog) ends a job
@@ -156,11 +157,9 @@ def build(cfg: Config, world: World):
 
     def launch(config_path: Path, resume_from: Path | None = None) -> None:
         if world.world_size == 1 and not cfg.max_restarts:  # trains in this process
-            from omegaconf import OmegaConf
-
             from framework import worker
 
-            worker.run(OmegaConf.load(config_path), config_path.parent, resume_from)
+            worker.entry(config_path, resume_from)
             return
         method = cfg.start_method
         if method == "auto":
@@ -189,9 +188,9 @@ def build(cfg: Config, world: World):
 def worker_args(method: str, config_path: Path, resume_from: Path | None) -> tuple:
     """The entry point and arguments of every worker."""
     if method == "fork":
-        from framework.worker import forked_entry
+        from framework import worker
 
-        return forked_entry, (str(config_path), str(resume_from or ""))
+        return worker.entry, (str(config_path), str(resume_from or ""), "fork")
     # -P: the working directory is not put first on sys.path (a stray torch.py there would
     # shadow torch); the worker appends it, as fw does, so the user's modules are found
     safe = ("-P",) if sys.version_info >= (3, 11) else ()

@@ -97,7 +97,7 @@ def build(cfg: Config, world: World):
             setup=list(cfg.setup),
             additional_parameters=options,
         )
-        task = Task(str(config_path), str(resume_from or ""), cfg.signal, cfg.max_requeues)
+        task = Task(str(config_path), str(resume_from or ""), cfg.signal, cfg.max_requeues, world)
         job = executor.submit(task)
         logs = run_dir / "slurm"
         redact_scripts(logs)
@@ -134,36 +134,35 @@ class Task:
     """What every SLURM task runs: train as the rank SLURM gives it; when a preemption signal
     stopped training (a checkpoint was saved), rank 0 requeues the job."""
 
-    def __init__(self, config_path: str, resume_from: str, signame: str, max_requeues: int) -> None:
+    def __init__(
+        self, config_path: str, resume_from: str, signame: str, max_requeues: int, world: World
+    ) -> None:
         self.config_path, self.resume_from = config_path, resume_from
         self.signal, self.max_requeues = signame, max_requeues
+        self.world = world  # as planned in the fw process
 
     def __call__(self) -> str:
-        from omegaconf import OmegaConf
-
         from framework import checkpointing, worker
-        from framework.callbacks._checkpointer import Preempted
         from framework.external import check_world
 
-        config_path = Path(self.config_path)
-        run_dir = config_path.parent
+        run_dir = Path(self.config_path).parent
         requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         os.environ[RESTART_ENV] = str(requeued)
         resume = Path(self.resume_from) if self.resume_from else None
         if requeued:  # continue from the newest checkpoint the job completed
             resume = checkpointing.newest_complete(run_dir / "checkpoints") or resume
-        cfg = OmegaConf.load(config_path)
-        check_world(World.planned(cfg.trainer))
-        try:
-            worker.run(cfg, run_dir, resume)
-        except Preempted as stop:
-            # the job's signal requeues; SIGTERM (scancel, or SLURM's own preemption) stops
-            if global_rank() == 0 and stop.signum == signal.Signals[f"SIG{self.signal}"]:
-                requeue(stop.step, requeued, self.max_requeues)
-            elif global_rank() == 0:
-                log.warning("%s (by %s)", stop, signal.Signals(stop.signum).name)
-            return "preempted"
-        return "finished"
+        check_world(self.world)
+        stopped = []
+        worker.entry(self.config_path, resume, on_preempted=stopped.append)
+        if not stopped:
+            return "finished"
+        stop = stopped[0]
+        # the job's signal requeues; SIGTERM (scancel, or SLURM's own preemption) stops
+        if global_rank() == 0 and stop.signum == signal.Signals[f"SIG{self.signal}"]:
+            requeue(stop.step, requeued, self.max_requeues)
+        elif global_rank() == 0:
+            log.warning("%s (by %s)", stop, signal.Signals(stop.signum).name)
+        return "preempted"
 
 
 def requeue(step: int, requeued: int, max_requeues: int) -> None:

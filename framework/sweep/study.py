@@ -326,7 +326,7 @@ def train(command: list[str], log_file: Path, shown: list[str]) -> int:
     """Run the trial's `fw train` with its output in `log_file` (headed by the command as
     `shown`, secrets replaced); it gets SIGTERM (checkpoint and stop) if this process dies
     first."""
-    from framework.worker import die_with_parent
+    from framework.processes import die_with_parent
 
     with files.open_append(log_file) as out:
         out.write(f"$ {' '.join(shown)}\n".encode())
