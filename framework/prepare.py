@@ -26,9 +26,9 @@ def prepare_command(args: list[str], parse) -> int:
     from framework.config.compose import compose_config
     from framework.config.validate import check_fields, check_task
     from framework.data.prepared import ENGINES
+    from framework.instantiate import instantiate_args
     from framework.preflight import take_option
     from framework.runner import resolve
-    from framework.worker import instantiate_args
 
     workers, args = take_option(args, "--workers")
     engine, args = take_option(args, "--engine")

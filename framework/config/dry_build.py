@@ -26,8 +26,8 @@ def dry_build(task_cfg: DictConfig) -> tuple[Any, Any]:
     was built too; (None, None) for a task that builds on the CPU only."""
     import torch
 
+    from framework.instantiate import build_task, instantiate_args
     from framework.task import TaskModule
-    from framework.worker import build_task, instantiate_args
 
     model_args = plain(task_cfg.model)
     try:

@@ -109,7 +109,7 @@ def first_batch(cfg: DictConfig, world) -> Any:
     used); ConfigError when the data ranks would get no full batch."""
     import torch
 
-    from framework.worker import instantiate_args
+    from framework.instantiate import instantiate_args
 
     torch.manual_seed(int(cfg.seed))
     data = instantiate_args(cfg.task.data)

@@ -71,7 +71,7 @@ def local_bytes(tensors) -> int:
 
 
 def build_fake_task(task_cfg: DictConfig, mode, precision: str):
-    from framework.worker import build_task
+    from framework.instantiate import build_task
 
     with mode, copyable_fakes():
         task = build_task(task_cfg)

@@ -207,8 +207,8 @@ def test_activations_and_the_optimizer_steps_temporaries_both_count_toward_the_t
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from framework.instantiate import build_task
     from framework.preflight.check import check
-    from framework.worker import build_task
 
     args = ["task=digits", f"task.data.batch_size={rows}", f"trainer.accelerator={accelerator}"]
     report = check(args)

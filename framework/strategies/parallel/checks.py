@@ -147,7 +147,7 @@ def model_of(job: Any):
         return job.model
     import torch
 
-    from framework.worker import build_task
+    from framework.instantiate import build_task
 
     with torch.device("meta"):
         return build_task(job.task)
