@@ -1,0 +1,123 @@
+"""The framework's modules stand in layers (DESIGN.md, "Layers"): a module imports from its own
+layer or from lower ones, never from a higher one (lazy imports inside functions count too),
+and workers are entered through the launchers only.
+
+A new top-level module must be given its layer here: the first test names any that has none.
+"""
+
+from __future__ import annotations
+
+from tests.unit.test_imports import import_graph
+
+# Lowest first. An entry names a module or a package (with everything under it); a module takes
+# the layer of its longest entry. The package itself (`framework`) is only its __init__.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "base",
+        (
+            "framework.checkpointing",
+            "framework.config.fields",
+            "framework.context",
+            "framework.errors",
+            "framework.files",
+            "framework.logs",
+            "framework.lr_scaling",
+            "framework.perf",
+            "framework.portable",
+            "framework.processes",
+            "framework.resume",
+            "framework.rng",
+            "framework.safe_load",
+            "framework.secrets",
+            "framework.watchdog",
+            "framework.world",
+        ),
+    ),
+    (
+        "task",
+        ("framework", "framework.data", "framework.instantiate", "framework.nn", "framework.task"),
+    ),
+    ("parallel", ("framework.parallel",)),
+    ("config and contract", ("framework.config", "framework.plugins", "framework.strategy_base")),
+    (
+        "sweep library",
+        (
+            "framework.sweep.config",
+            "framework.sweep.report",
+            "framework.sweep.space",
+            "framework.sweep.study",
+        ),
+    ),
+    (
+        "plugins",
+        ("framework.callbacks", "framework.debug", "framework.loggers", "framework.strategies"),
+    ),
+    ("worker", ("framework.worker",)),
+    ("launchers", ("framework.external", "framework.launchers")),
+    (
+        "commands",
+        (
+            "framework.export",
+            "framework.export_hf",
+            "framework.help",
+            "framework.plot",
+            "framework.preflight",
+            "framework.prepare",
+            "framework.runner",
+            "framework.sweep",
+        ),
+    ),
+    ("cli", ("framework.cli",)),
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the layer `module` belongs to (None: not placed)."""
+    best: tuple[int, int] | None = None  # (length of the entry, layer)
+    for number, (_, entries) in enumerate(LAYERS):
+        for entry in entries:
+            inside = entry != "framework" and module.startswith(f"{entry}.")
+            if (module == entry or inside) and (best is None or len(entry) > best[0]):
+                best = (len(entry), number)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'importer -> imported (layer -> higher layer)' for every import of a higher layer."""
+    found = []
+    for importer, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            low, high = layer_of(importer), layer_of(target)
+            if low is not None and high is not None and high > low:
+                found.append(f"{importer} -> {target} ({LAYERS[low][0]} -> {LAYERS[high][0]})")
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in sorted(import_graph()) if layer_of(m) is None] == []
+
+
+def test_no_module_imports_from_a_higher_layer():
+    assert upward_imports(import_graph()) == []
+
+
+def test_only_the_launchers_enter_a_worker():
+    """One way into a worker: the launchers call worker.entry; the runner hands every job to a
+    launcher (framework.external inside torchrun/srun) and never imports the worker itself."""
+    graph = import_graph()
+    importers = sorted(m for m, imported in graph.items() if "framework.worker" in imported)
+    assert importers and all(LAYERS[layer_of(m)][0] == "launchers" for m in importers), importers
+
+
+def test_an_upward_import_is_found():
+    graph = {
+        "framework.config.dry_build": {"framework.worker", "framework.task"},
+        "framework.worker": {"framework.task"},
+        "framework.strategies.ddp": {"framework.strategies.ddp.strategy"},
+    }
+    assert upward_imports(graph) == [
+        "framework.config.dry_build -> framework.worker (config and contract -> worker)"
+    ]
+    assert layer_of("framework") == layer_of("framework.task") != layer_of("framework.errors")
+    assert layer_of("framework.sweep.study") < layer_of("framework.callbacks._pruning")
+    assert layer_of("framework.unplaced_module") is None
