@@ -17,6 +17,9 @@ class PlainLlama(pl.LightningModule):
     """A Lightning user's causal LM: a random-init `LlamaForCausalLM` (seeded by the framework
     before it is built), its own loss (transformers' shifted cross-entropy) and optimizer."""
 
+    family = ("LlamaConfig", "LlamaForCausalLM")
+    extra: dict = {}  # config settings of the family
+
     def __init__(
         self,
         hidden: int = 64,
@@ -27,10 +30,11 @@ class PlainLlama(pl.LightningModule):
         lr: float = 1e-3,
     ) -> None:
         super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
 
+        config_class, model_class = (getattr(transformers, n) for n in self.family)
         self.lr = lr
-        config = LlamaConfig(
+        config = config_class(
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=2 * hidden,
@@ -38,8 +42,9 @@ class PlainLlama(pl.LightningModule):
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             max_position_embeddings=64,
+            **self.extra,
         )
-        self.lm = LlamaForCausalLM(config)
+        self.lm = model_class(config)
 
     def training_step(self, batch, batch_idx):
         loss = self.lm(input_ids=batch, labels=batch).loss
@@ -48,6 +53,14 @@ class PlainLlama(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class PlainQwen2(PlainLlama):
+    """The same user task around a `Qwen2ForCausalLM`: biased q/k/v projections, and its input
+    embedding tied to the LM head, as the small Qwen2 models ship."""
+
+    family = ("Qwen2Config", "Qwen2ForCausalLM")
+    extra = {"tie_word_embeddings": True}
 
 
 class RandomTokens(pl.LightningDataModule):
