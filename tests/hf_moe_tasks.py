@@ -52,7 +52,8 @@ def mixtral_config(hidden: int = 64, experts: int = 4, vocab: int = 256, **extra
 
 class PlainMoE(pl.LightningModule):
     """A Lightning user's causal LM: a random-init transformers MoE model (`family` qwen3_moe or
-    mixtral, seeded by the framework before it is built), transformers' own loss, AdamW."""
+    mixtral, seeded by the framework before it is built), transformers' own loss, AdamW.
+    `jitter`: Mixtral's router jitter noise (which expert parallel refuses)."""
 
     def __init__(
         self,
@@ -62,6 +63,7 @@ class PlainMoE(pl.LightningModule):
         vocab: int = 256,
         lr: float = 1e-3,
         norm_topk_prob: bool = True,
+        jitter: float = 0.0,
     ) -> None:
         super().__init__()
         from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -71,7 +73,8 @@ class PlainMoE(pl.LightningModule):
             config = qwen3_moe_config(hidden, experts, vocab, norm_topk_prob=norm_topk_prob)
             self.lm = Qwen3MoeForCausalLM(config)
         elif family == "mixtral":
-            self.lm = MixtralForCausalLM(mixtral_config(hidden, experts, vocab))
+            config = mixtral_config(hidden, experts, vocab, router_jitter_noise=jitter)
+            self.lm = MixtralForCausalLM(config)
         else:
             raise ValueError(f"family={family!r} is not one of qwen3_moe, mixtral")
 

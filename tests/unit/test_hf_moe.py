@@ -1,0 +1,139 @@
+"""transformers' sparse MoE blocks swapped for framework MoE layers (framework.nn.hf_moe): the
+swapped model computes what transformers computes (logits, loss, the auxiliary loss from the
+router logits it records, every gradient), holds the same tensors under the same names, counts
+the routers' choices; blocks the swap would not reproduce and experts that do not divide by ep
+are refused before launch, naming the block."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from framework.errors import ConfigError
+from framework.nn.hf_moe import sparse_blocks, swap_sparse_blocks
+from framework.parallel.experts import moe_layers
+from tests.conftest import QUIET, refused
+from tests.hf_moe_tasks import mixtral_config, qwen3_moe_config
+
+transformers = pytest.importorskip("transformers")
+
+
+class Holder(nn.Module):
+    """A task's module tree: the transformers model one level down, as in a LightningModule."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.lm = model
+
+
+MODELS = {
+    "qwen3_moe-normalised": lambda: transformers.Qwen3MoeForCausalLM(
+        qwen3_moe_config(norm_topk_prob=True, output_router_logits=True)
+    ),
+    "qwen3_moe-raw-top-k": lambda: transformers.Qwen3MoeForCausalLM(
+        qwen3_moe_config(norm_topk_prob=False, output_router_logits=True)
+    ),
+    "mixtral": lambda: transformers.MixtralForCausalLM(mixtral_config(output_router_logits=True)),
+}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_the_swap_computes_what_transformers_computes(family):
+    torch.manual_seed(0)
+    theirs = Holder(MODELS[family]())
+    ours = copy.deepcopy(theirs)
+    before = ours.state_dict()
+    layers = swap_sparse_blocks(ours, ep=2)
+    assert len(layers) == 2 and moe_layers(ours) == layers
+    after = ours.state_dict()
+    assert list(after) == list(before), "same names, same order"
+    assert all(after[k].data_ptr() == before[k].data_ptr() for k in before), "same tensors"
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    want, got = theirs.lm(input_ids=ids, labels=ids), ours.lm(input_ids=ids, labels=ids)
+    assert (got.logits - want.logits).abs().max() <= 1e-6
+    assert abs(got.loss - want.loss) <= 1e-6 and abs(got.aux_loss - want.aux_loss) <= 1e-6
+    assert want.aux_loss > 0, "the router logits were recorded, the aux loss added"
+    for a, b in zip(got.router_logits, want.router_logits, strict=True):
+        assert (a - b).abs().max() <= 1e-6
+    want.loss.backward()
+    got.loss.backward()
+    grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        assert (p.grad - grads[name].grad).abs().max() <= 1e-6, name
+    top_k = theirs.lm.config.num_experts_per_tok
+    for layer, logits in zip(layers, want.router_logits, strict=True):
+        chosen = logits.softmax(-1).topk(top_k).indices
+        counted = torch.bincount(chosen.flatten(), minlength=4).float()
+        assert torch.equal(layer.router.tokens_per_expert, counted)
+
+
+def test_blocks_are_read_from_the_models_ep_plan_at_their_path_in_the_task():
+    torch.manual_seed(0)
+    task = Holder(transformers.MixtralForCausalLM(mixtral_config()))
+    found = sparse_blocks(task, ep=2)
+    assert [(b.path, b.router_name, b.num_experts) for b in found] == [
+        ("lm.model.layers.0.mlp", "gate", 4),
+        ("lm.model.layers.1.mlp", "gate", 4),
+    ]
+    swap_sparse_blocks(task, ep=2)
+    assert sparse_blocks(task, ep=2) == [], "a swapped block is not swapped again"
+    task.lm.ep_plan = {}
+    assert sparse_blocks(Holder(task.lm), ep=2) == [], "no plan, no experts"
+
+
+def qwen2_moe() -> nn.Module:
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def test_blocks_the_swap_would_not_reproduce_are_refused_naming_them():
+    with pytest.raises(ConfigError) as shared:
+        sparse_blocks(Holder(qwen2_moe()), ep=2)
+    text = str(shared.value)
+    assert "strategy.ep=2" in text and "lm.model.layers.0.mlp (Qwen2MoeSparseMoeBlock)" in text
+    assert "shared_expert" in text, text
+    mixtral = transformers.MixtralForCausalLM(mixtral_config(router_jitter_noise=0.1))
+    with pytest.raises(ConfigError, match="lm.model.layers.0.mlp .* jitter noise"):
+        sparse_blocks(Holder(mixtral), ep=2)
+    mixtral.ep_plan = {**mixtral.ep_plan, "model.layers.*.mlp.gate": "colwise"}
+    with pytest.raises(ConfigError, match=r"lm.model.layers.\*.mlp.gate its ep plan .*'colwise'"):
+        sparse_blocks(Holder(mixtral), ep=2)
+
+
+PLAIN = [
+    "task=digits",
+    "task._target_=tests.hf_moe_tasks.PlainMoE",
+    "~task.model.dropout",
+    "task.data._target_=tests.hf_tasks.RandomTokens",
+    "~task.data.val_fraction",
+    "strategy=expert",
+    "trainer.devices=2",
+    *QUIET,
+]
+
+
+def test_experts_not_dividing_by_ep_are_refused_before_launch(tmp_path, monkeypatch, capsys):
+    args = [*PLAIN, "+task.model.family=qwen3_moe", "+task.model.experts=3"]
+    err = refused(args, tmp_path, monkeypatch, capsys)
+    assert "strategy.ep=2: the transformers MoE block lm.model.layers.0.mlp has 3 experts" in err
+    assert "Valid choices: 1, 3" in err, err
+
+
+def test_a_block_the_framework_cannot_apply_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+    args = [*PLAIN, "+task.model.family=mixtral", "+task.model.jitter=0.01"]
+    err = refused(args, tmp_path, monkeypatch, capsys)
+    assert "lm.model.layers.0.mlp (MixtralSparseMoeBlock)" in err and "jitter" in err, err
