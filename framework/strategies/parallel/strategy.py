@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from framework.nn import pipeline
+from framework.nn import hf_load, pipeline
 from framework.nn.hf_moe import swap_sparse_blocks
 from framework.parallel.dims import ParallelDims
 from framework.parallel.experts import expert_parameters, scale_expert_gradients
@@ -110,9 +110,11 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             cpu_offload=self.cfg.cpu_offload,
             shard_modules=tuple(self.cfg.shard_modules),
         )
-        modules = parallelize(
-            task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut, self.root_device
-        )
+        modules = parallelize(task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut)
+        # a pretrained model built on meta: each rank reads the slices it now holds (before a
+        # resumed checkpoint is restored over them)
+        hf_load.load_pretrained(task, self.root_device, trainer.default_root_dir, self.global_rank)
+        to_device(task, self.root_device)
         finish_setup(self, trainer)
         if self.pipeline is not None:
             self.pipeline.start(modules, task)

@@ -1,0 +1,279 @@
+"""Pretrained transformers weights (a local directory of safetensors files) into any layout,
+each process reading only its own slices.
+
+A task that starts from a pretrained directory builds its model with the parameters on the meta
+device (`parameters_on_meta`: no memory, no weights; buffers are built as usual). Once the
+strategy has split the model (tensor plans, FSDP shards, pipeline stages keeping their layers),
+`load_pretrained` gives each parameter still on meta its storage on the rank's device and reads
+into it exactly the part this rank holds: a DTensor's local shard (its offset and shape in the
+whole tensor, as torch's checkpointing computes them), a plain tensor whole. A strategy that keeps
+the whole model on every process (ddp, DeepSpeed) loads the same way into plain tensors.
+
+The files are read with plain positional reads from the safetensors layout (an 8-byte header
+length, a JSON header of dtype, shape and byte offsets, then the raw data), not through a memory
+map: pages of a mapped file count in the process's resident memory, so a rank reading a
+column slice would have touched, and held, the whole tensor. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from framework.errors import ConfigError
+
+log = logging.getLogger("framework.hf_load")
+
+INDEX = "model.safetensors.index.json"
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def check_directory(key: str, value: str | None) -> None:
+    """A pretrained model is a local directory with config.json and safetensors weights; a Hub
+    id (or any other name that is not such a directory) is refused: nothing is downloaded."""
+    if value is None:
+        return
+    path = Path(str(value)).expanduser()
+    if not path.is_dir():
+        hub = "/" in str(value) and not path.is_absolute() and not str(value).startswith(".")
+        what = "looks like a Hugging Face Hub id" if hub else "is not a directory"
+        raise ConfigError(
+            key,
+            value,
+            f"{what}; no network: give a local directory",
+            hint="Download it elsewhere (e.g. `hf download NAME --local-dir DIR`) and give DIR.",
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(key, value, "holds no config.json; no network: give a local directory")
+    if not (path / INDEX).is_file() and not any(path.glob("*.safetensors")):
+        raise ConfigError(
+            key,
+            value,
+            "holds no *.safetensors weights (other formats, e.g. pytorch_model.bin, are not "
+            "read); no network: give a local directory",
+            hint="Convert the weights with save_pretrained(DIR) (safetensors by default).",
+        )
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device, their buffers (e.g. rotary
+    frequencies, which no checkpoint holds) as usual."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+@dataclass
+class LoadReport:
+    """What one rank read: bytes from the files, bytes it holds, memory and time taken."""
+
+    directory: str
+    tensors: int = 0
+    bytes_read: int = 0
+    local_bytes: int = 0  # this rank's parameters and buffers read (its final shard)
+    file_bytes: int = 0  # the weights in the directory's files (the whole model)
+    peak_rss_delta: int = 0  # peak resident memory while loading, above where it started
+    seconds: float = 0.0
+    files_opened: list[str] = field(default_factory=list)
+
+
+@torch.no_grad()
+def load_pretrained(
+    task: nn.Module, device: torch.device, run_dir: str | Path | None = None, rank: int = 0
+) -> list[LoadReport]:
+    """Every transformers model in `task` whose parameters are on meta: storage on `device`,
+    then its weights from its directory (`model.name_or_path`), this rank's slices only. The
+    reports (one per model) are written to run_dir/pretrained/rank<R>.json and logged."""
+    from framework.nn.hf import models
+
+    pending = [(path, model) for path, model in models(task) if on_meta(model)]
+    if not pending:
+        return []
+    materialize(task, torch.device(device))
+    reports = [read_into(model, Path(model.name_or_path)) for _, model in pending]
+    if run_dir is not None:
+        write_reports(reports, Path(run_dir), rank)
+    return reports
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Uninitialized storage on `device` for every meta tensor of `module` (through `_apply`,
+    so FSDP2 re-registers its shards); other tensors are left as they are."""
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+
+@torch.no_grad()
+def read_into(model: nn.Module, directory: Path) -> LoadReport:
+    """Fill `model`'s parameters and persistent buffers from the safetensors in `directory`."""
+    start, rss0 = time.perf_counter(), reset_peak_rss()
+    files = weight_map(directory)
+    tied = getattr(model, "_tied_weights_keys", None)
+    tied = tied if isinstance(tied, dict) else {}
+    report = LoadReport(str(directory))
+    by_file: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        key = name if name in files else tied.get(name, name)
+        if key not in files:
+            if isinstance(tensor, nn.Parameter):
+                raise RuntimeError(f"{directory} holds no weight for parameter {name}")
+            continue  # a buffer computed by the model (not saved)
+        by_file.setdefault(files[key], []).append((key, tensor))
+    for file, entries in sorted(by_file.items()):
+        report.files_opened.append(file)
+        with open(directory / file, "rb") as fh:
+            header, base = read_header(fh)
+            for key, tensor in entries:
+                report.bytes_read += read_tensor(fh, base, header[key], key, tensor)
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                report.local_bytes += local.numel() * local.element_size()
+                report.tensors += 1
+    report.file_bytes = sum((directory / f).stat().st_size for f in set(files.values()))
+    report.peak_rss_delta = max(0, peak_rss() - rss0)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def weight_map(directory: Path) -> dict[str, str]:
+    """{tensor name: file name} of a pretrained directory: its index when sharded, else the
+    names in each *.safetensors file's header."""
+    index = directory / INDEX
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    found: dict[str, str] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as fh:
+            found.update({name: path.name for name in read_header(fh)[0]})
+    return found
+
+
+def read_header(fh) -> tuple[dict, int]:
+    """(header without its metadata, offset of the data) of an open safetensors file."""
+    (size,) = struct.unpack("<Q", fh.read(8))
+    header = json.loads(fh.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def read_tensor(fh, base: int, entry: dict, key: str, target: torch.Tensor) -> int:
+    """Read the part of tensor `key` that `target` (a DTensor's local shard, or a whole tensor)
+    holds into it; returns the bytes read."""
+    shape = list(entry["shape"])
+    if list(target.shape) != shape:
+        raise RuntimeError(
+            f"{key}: the checkpoint's shape {shape} is not the model's {list(target.shape)}"
+        )
+    if hasattr(target, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        sizes, starts = compute_local_shape_and_global_offset(
+            target.shape, target.device_mesh, target.placements
+        )
+        local = target.to_local()
+    else:
+        sizes, starts, local = shape, [0] * len(shape), target
+    if math.prod(sizes) == 0:
+        return 0
+    dtype = DTYPES[entry["dtype"]]
+    data = read_slice(fh.fileno(), base + entry["data_offsets"][0], dtype, shape, starts, sizes)
+    local.copy_(data.view(local.shape))
+    return data.numel() * data.element_size()
+
+
+def read_slice(fd: int, offset: int, dtype, shape, starts, sizes) -> torch.Tensor:
+    """The block starts[d]:starts[d]+sizes[d] of a C-ordered tensor stored at `offset`, read with
+    one positional read per contiguous run (a row of a column slice, or the whole block)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    whole = len(shape)  # dims from `whole` on are taken entire: they lie in one run
+    while whole > 0 and starts[whole - 1] == 0 and sizes[whole - 1] == shape[whole - 1]:
+        whole -= 1
+    run_dim = max(whole - 1, 0)
+    run = (sizes[run_dim] if shape else 1) * (strides[run_dim] if shape else 1)
+    out = torch.empty(math.prod(sizes) * item, dtype=torch.uint8)
+    buffer = memoryview(out.numpy())
+    outer = [range(starts[d], starts[d] + sizes[d]) for d in range(run_dim)]
+    for i, index in enumerate(itertools.product(*outer)):
+        first = sum(j * strides[d] for d, j in enumerate(index))
+        first += starts[run_dim] * strides[run_dim] if shape else 0
+        chunk = buffer[i * run * item : (i + 1) * run * item]
+        if os.preadv(fd, [chunk], offset + first * item) != len(chunk):
+            raise RuntimeError("a safetensors file ended before its header said")
+    return out.view(dtype).view(sizes)
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's resident-memory high-water mark (Linux) and return the current
+    resident size in bytes."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def peak_rss() -> int:
+    """The resident-memory high-water mark since the last reset, in bytes (0 where unknown)."""
+    return _status("VmHWM")
+
+
+def _status(field_name: str) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def write_reports(reports: list[LoadReport], run_dir: Path, rank: int) -> None:
+    """Each rank's reports as run_dir/pretrained/rank<R>.json, and one log line per model."""
+    if not reports:
+        return
+    out = Path(run_dir) / "pretrained"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
+    for r in reports:
+        log.info(
+            "Rank %d read %.1f MB of %s's %.1f MB (holds %.1f MB) in %.1f s; peak memory +%.1f MB",
+            rank,
+            r.bytes_read / 1e6,
+            r.directory,
+            r.file_bytes / 1e6,
+            r.local_bytes / 1e6,
+            r.seconds,
+            r.peak_rss_delta / 1e6,
+        )

@@ -1,0 +1,131 @@
+"""A causal language model from transformers: pretrained from a local directory, or a random init
+from a config dict. The parallel core splits it by the model's own plans (framework/nn/hf.py).
+
+`pretrained=DIR` builds the model from DIR's config.json with its parameters on the meta device:
+no process ever holds a whole copy it does not keep. Its weights are read once the strategy has
+placed the model: by the parallel strategies (fsdp, tensor, fsdp_tp, pipeline, explicit degrees)
+after they split it, each rank reading its own slices (framework/nn/hf_load.py); by the others
+(ddp, diloco, hogwild, DeepSpeed ZeRO 1-3) whole on every process, at `setup`. Either way before
+a checkpoint is restored, so a resumed run continues from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from framework import ConfigError, TaskModule
+from framework.nn import hf_load
+
+# task.model.arch -> transformers' config class of that family
+ARCHS = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
+    "gpt2": "GPT2Config",
+}
+
+
+def offline() -> None:
+    """Never any network access from transformers or huggingface_hub (read when imported)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def build_model(arch: str, config: dict[str, Any] | None, pretrained: str | None):
+    """The transformers causal LM: DIR's architecture with parameters on meta (weights read
+    later), or a random init of `arch` with `config` (seeded by the framework before this)."""
+    offline()
+    import transformers
+
+    if pretrained is not None:
+        model_config = transformers.AutoConfig.from_pretrained(pretrained)
+        with hf_load.parameters_on_meta():
+            return transformers.AutoModelForCausalLM.from_config(model_config)
+    model_config = getattr(transformers, ARCHS[arch])(**(config or {}))
+    return transformers.AutoModelForCausalLM.from_config(model_config)
+
+
+class HFCausalLM(TaskModule):
+    """Next-token prediction with a transformers causal LM; logs train/loss and val/loss (nats
+    per token) with the model's own causal-LM loss."""
+
+    def __init__(
+        self,
+        arch: str = "llama",
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = build_model(arch, config, pretrained)
+
+    @staticmethod
+    def validate_config(prefix: str, args: dict) -> None:
+        offline()
+        hf_load.check_directory(f"{prefix}.pretrained", args.get("pretrained"))
+        arch = args.get("arch", "llama")
+        if args.get("pretrained") is None and arch not in ARCHS:
+            raise ConfigError(f"{prefix}.arch", arch, "is not a supported family", list(ARCHS))
+        if args.get("pretrained") is None and not args.get("config"):
+            raise ConfigError(
+                f"{prefix}.config",
+                args.get("config"),
+                "is needed for a random init (or give a pretrained directory)",
+                hint=f"Set {prefix}.pretrained=DIR, or {prefix}.config={{hidden_size: 64, ...}} "
+                "(experiment=hf_lm_tiny sets a small one).",
+            )
+        if args.get("pretrained") is not None and args.get("config"):
+            raise ConfigError(
+                f"{prefix}.config",
+                args["config"],
+                "builds a random init; a pretrained model's config is its directory's "
+                "config.json: give one of the two",
+                ["null"],
+            )
+
+    def setup(self, stage: str) -> None:
+        # a strategy with a device mesh splits the model first and reads each rank's slices
+        # itself (ParallelStrategy.setup); every other one holds the whole model per process
+        if self.device_mesh is None and hf_load.on_meta(self.model):
+            run_dir, rank = self.trainer.default_root_dir, self.trainer.global_rank
+            hf_load.load_pretrained(self, torch.device("cpu"), run_dir, rank)
+        vocab = getattr(self.trainer.datamodule, "vocab_size", None)
+        limit = self.model.config.get_text_config().vocab_size
+        if vocab is not None and vocab > limit:
+            raise ConfigError(
+                "task.data.tokenizer",
+                self.trainer.datamodule.tokenizer,
+                f"has {vocab} tokens, more than the model's vocab_size={limit}",
+            )
+
+    def param_groups(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """transformers' causal-LM loss with the targets already shifted (`y`: the next token
+        of every position, as the data module gives them)."""
+        vocab = logits.shape[-1]
+        return self.model.loss_function(
+            logits=logits, labels=None, shift_labels=y, vocab_size=vocab
+        )
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return self.loss(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)

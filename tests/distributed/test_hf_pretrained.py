@@ -1,0 +1,103 @@
+"""Pretrained transformers weights into a split model: a tiny Llama written by the test in
+several safetensors files (with an index) trains under fsdp=2 and tensor=2 from exactly the
+weights `from_pretrained` gives one process, and each rank reads only the slices it holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import QUIET, fw, losses
+from tests.hf_pretrained import BLOCK, periodic_corpus, reference_loss, write_llama
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """The model directory, the corpus, and the first step's loss of `from_pretrained` here."""
+    root = tmp_path_factory.mktemp("hf_pretrained")
+    model = write_llama(root / "llama")
+    assert (model / "model.safetensors.index.json").is_file()
+    assert len(list(model.glob("*.safetensors"))) > 2
+    window = periodic_corpus(root / "corpus.txt")
+    return {"model": model, "corpus": root / "corpus.txt", "loss": reference_loss(model, window)}
+
+
+def train(pretrained, cwd, *args: str):
+    result = fw(
+        "train",
+        "task=hf_lm",
+        f"task.model.pretrained={pretrained['model']}",
+        "task.data.tokenizer=bytes",
+        f"task.data.path={pretrained['corpus']}",
+        f"task.data.block_size={BLOCK}",
+        "task.data.batch_size=4",
+        "task.scheduler.warmup_steps=0",
+        "trainer.max_steps=1",
+        "trainer.log_every_n_steps=1",
+        "trainer.limit_val_batches=0",
+        "logger=[csv]",
+        "callbacks=none",
+        *QUIET,
+        *args,
+        "run.dir=run",
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd / "run"
+
+
+def reports(run, ranks: int) -> list[dict]:
+    return [json.loads((run / "pretrained" / f"rank{r}.json").read_text())[0] for r in range(ranks)]
+
+
+def model_bytes(directory) -> int:
+    from framework.nn.hf_load import weight_map
+
+    return weight_bytes(directory, weight_map(directory))
+
+
+def weight_bytes(directory, files) -> int:
+    import math
+
+    from framework.nn.hf_load import read_header
+
+    total = 0
+    for name in set(files.values()):
+        with open(directory / name, "rb") as fh:
+            header, _ = read_header(fh)
+        total += sum(math.prod(e["shape"]) * 4 for e in header.values())  # all fp32
+    return total
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["strategy=fsdp"], ["strategy=tensor"]],
+    ids=["fsdp2", "tensor2"],
+)
+def test_pretrained_weights_load_into_a_split_model(pretrained, tmp_path, layout):
+    run = train(pretrained, tmp_path, *layout, "trainer.devices=2")
+    got = losses(run)
+    assert sorted(got) == [0]
+    assert abs(got[0] - pretrained["loss"]) <= 1e-5, (got[0], pretrained["loss"])
+    total = model_bytes(pretrained["model"])
+    per_rank = reports(run, 2)
+    for r in per_rank:
+        # a rank reads what it holds, no more: about half of every split weight (the norms,
+        # 320 of 112512 elements, are whole on both under tensor parallel)
+        assert r["bytes_read"] == r["local_bytes"] <= 0.55 * total, (r, total)
+        print(
+            f"{layout[0]} peak RSS while loading: +{r['peak_rss_delta']} B for {r['local_bytes']} B held"
+        )
+    if layout == ["strategy=fsdp"]:  # shards of dim 0 cover every weight exactly once
+        assert sum(r["bytes_read"] for r in per_rank) == total
+
+
+def test_one_process_loads_whole(pretrained, tmp_path):
+    run = train(pretrained, tmp_path, "trainer.devices=1")
+    assert abs(losses(run)[0] - pretrained["loss"]) <= 1e-5
+    (report,) = reports(run, 1)
+    assert report["bytes_read"] == model_bytes(pretrained["model"])
