@@ -97,8 +97,8 @@ class HFCausalLM(TaskModule):
         limit = self.model.config.get_text_config().vocab_size
         if vocab is not None and vocab > limit:
             raise ConfigError(
-                "task.data.tokenizer",
-                self.trainer.datamodule.tokenizer,
+                "task.data.encoder",
+                self.trainer.datamodule.encoder_name,
                 f"has {vocab} tokens, more than the model's vocab_size={limit}",
             )
 
