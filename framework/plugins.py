@@ -175,6 +175,8 @@ def typed_config(module: ModuleType, node: Any, key: str = "") -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from framework.config.fields import check_fields, schema_error
+
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         return node
     try:
@@ -183,27 +185,7 @@ def typed_config(module: ModuleType, node: Any, key: str = "") -> Any:
         field = getattr(err, "full_key", "") or ""
         where = ".".join(p for p in (key, field) if p) or key or "config"
         value = OmegaConf.select(node, field) if field else None
-        if "not in" in str(err) or "Key '" in str(err):
-            names = [f.name for f in dataclasses.fields(module.Config)]
-            raise ConfigError(where, value, "no such key", names, near=field) from None
-        raise ConfigError(where, value, str(err).splitlines()[0].rstrip(".")) from None
-    check_declared(typed, key)
+        names = [f.name for f in dataclasses.fields(module.Config)]
+        raise schema_error(err, where, value, names) from None
+    check_fields(typed, f"{key}." if key else "")
     return typed
-
-
-def check_declared(cfg: Any, key: str) -> None:
-    """A plugin config's fields against their declared choices and bounds (also for plugins
-    outside the framework, whose schemas Hydra does not know)."""
-    from framework.config.fields import field_choices, out_of_bounds
-
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        where = f"{key}.{f.name}" if key else f.name
-        choices = field_choices(type(cfg), f.name)
-        if choices is not None and value not in choices:
-            raise ConfigError(
-                where, value, "not a valid choice", ["null" if c is None else c for c in choices]
-            )
-        problem = out_of_bounds(type(cfg), f.name, value)
-        if problem:
-            raise ConfigError(where, value, problem)

@@ -18,6 +18,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from framework.config.fields import schema_error
 from framework.config.store import register
 from framework.errors import ConfigError
 
@@ -122,15 +123,9 @@ def translate(err: Exception, overrides: list[str]) -> ConfigError:
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         key = cause.full_key
-        value = _given(key, overrides)
-        first = str(cause).splitlines()[0]
         parent = getattr(cause, "parent_node", None)
-        if "not in" in first or "not in struct" in first:
-            choices = list(parent.keys()) if isinstance(parent, DictConfig) else None
-            return ConfigError(
-                key, value, "no such key", choices, hint=_add_hint(key), near=key.split(".")[-1]
-            )
-        return ConfigError(key, value, first.rstrip(".").replace("Value ", "value ", 1))
+        choices = [str(k) for k in parent] if isinstance(parent, DictConfig) else None
+        return schema_error(cause, key, _given(key, overrides), choices, hint=_add_hint(key))
     text = str(err)
     if "full_key:" in text:  # an error inside a YAML file: Hydra only keeps the message
         where = text.splitlines()[0].split(":")[0]

@@ -2,7 +2,9 @@
 
 Bounds are declared next to the field (`doc(1, "...", min=1)`) and checked for every group at
 compose time (framework.config.validate), before anything starts; `None` always passes a bound
-(an optional field that is unset).
+(an optional field that is unset). `check_fields` is the one walker that checks them, over a
+composed node or a plugin's typed config alike; `schema_error` is the one translation of
+OmegaConf's errors about a typed node into a ConfigError.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
+
+from framework.errors import ConfigError
 
 
 def doc(
@@ -81,3 +85,82 @@ def out_of_bounds(schema: type, name: str, value: Any) -> str | None:
     if "max" in bounds and value > bounds["max"]:
         return f"must be at most {bounds['max']}"
     return None
+
+
+def check_fields(node: Any, prefix: str = "") -> None:
+    """Every field holds one of its declared choices and lies within its declared bounds, at any
+    depth, and a typed node holds no key its schema lacks (a `+key` added to it). `node` is a
+    composed DictConfig or a dataclass instance (a plugin's typed config, whose schema Hydra
+    may not know); `prefix` is its place in the job config, ending in a dot (e.g. `strategy.`)."""
+    schema = _schema(node)
+    for key, value, child in _entries(node):
+        path = f"{prefix}{key}"
+        if dataclasses.is_dataclass(schema):
+            names = [f.name for f in dataclasses.fields(schema)]
+            if key not in names:
+                hint = (
+                    f"Values of your own go under `extra`: +extra.{key}=..." if not prefix else None
+                )
+                raise ConfigError(path, value, "no such key", names, hint=hint, near=str(key))
+            check_value(schema, key, value, path)
+        if child is not None:
+            check_fields(child, f"{path}.")
+
+
+def check_value(schema: type, name: str, value: Any, path: str) -> None:
+    """ConfigError naming `path` when `value` is not one of the field's choices or out of its
+    bounds."""
+    choices = field_choices(schema, name)
+    if choices is not None and value not in choices:
+        raise ConfigError(
+            path, value, "not a valid choice", ["null" if c is None else c for c in choices]
+        )
+    problem = out_of_bounds(schema, name, value)
+    if problem:
+        raise ConfigError(path, value, problem)
+
+
+def _schema(node: Any) -> Any:
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return type(node)
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+
+
+def _entries(node: Any) -> list[tuple[str, Any, Any]]:
+    """(key, value, child node to walk or None) of a DictConfig's keys or a dataclass's fields."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        out = []
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            child = value if dataclasses.is_dataclass(value) else None
+            out.append((f.name, value, child))
+        return out
+    from omegaconf import DictConfig
+
+    if not isinstance(node, DictConfig):
+        return []
+    out = []
+    for key in node:
+        inner = node._get_node(key)
+        value = inner._value() if inner is not None else None
+        out.append((str(key), value, inner if isinstance(inner, DictConfig) else None))
+    return out
+
+
+def schema_error(
+    err: Exception, where: str, value: Any, names: Sequence[str] | None, hint: str | None = None
+) -> ConfigError:
+    """The ConfigError for an OmegaConf error about the key `where` of a typed node: `no such
+    key` with the valid `names` when the node has no such key, else OmegaConf's own first line
+    (`value 'x' of type 'str' could not be converted to Integer`)."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+        near = where.rsplit(".", 1)[-1]
+        return ConfigError(where, value, "no such key", names, hint=hint, near=near)
+    first = str(err).splitlines()[0].rstrip(".")
+    if first.startswith("Value "):
+        first = "v" + first[1:]
+    return ConfigError(where, value, first)

@@ -17,6 +17,20 @@ from framework.lr_scaling import RULES as LR_SCALING_RULES
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
 SCHEDULERS = ("constant", "cosine", "linear")
+BACKENDS = (None, "gloo", "nccl")
+
+
+@dataclass
+class CollectiveSettings:
+    """What every strategy that talks over a process group shares: the backend and how long a
+    collective may wait. A strategy's `Config` subclasses it and sets `kind`'s default (kind is
+    declared here so that it stays the first field, as `fw config` shows it)."""
+
+    kind: str = doc(MISSING, "Strategy plugin.")
+    backend: str | None = doc(
+        None, "Collective backend (None: nccl on CUDA, gloo on CPU).", BACKENDS
+    )
+    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
 
 
 @dataclass

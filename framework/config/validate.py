@@ -5,7 +5,6 @@ Each check raises ConfigError naming the key, the value and what would be valid.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import os
@@ -18,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from framework import lr_scaling
 from framework.config.batches import check_batches
 from framework.config.dry_build import dry_build
-from framework.config.fields import field_choices, out_of_bounds
+from framework.config.fields import check_fields
 from framework.errors import ConfigError
 from framework.plugins import JobView, load_plugin, typed_config
 from framework.world import World, cuda_device_count
@@ -92,35 +91,6 @@ def check_log_model(cfg: DictConfig) -> None:
                 hint="Name the metric, e.g. callbacks.checkpoint.monitor=val/loss "
                 "(callbacks.checkpoint.mode=min|max).",
             )
-
-
-def check_fields(node: Any, prefix: str) -> None:
-    """Every field holds one of its declared choices and lies within its declared bounds, at
-    any depth, and a typed node holds no key its schema lacks (a `+key` added to it)."""
-    if not isinstance(node, DictConfig):
-        return
-    schema = OmegaConf.get_type(node)
-    for key in node:
-        path = f"{prefix}{key}"
-        value = node._get_node(key)._value() if node._get_node(key) is not None else None
-        if dataclasses.is_dataclass(schema):
-            names = [f.name for f in dataclasses.fields(schema)]
-            if key not in names:
-                hint = (
-                    f"Values of your own go under `extra`: +extra.{key}=..." if not prefix else None
-                )
-                raise ConfigError(path, value, "no such key", names, hint=hint, near=str(key))
-            choices = field_choices(schema, str(key))
-            if choices is not None and value not in choices:
-                raise ConfigError(
-                    path, value, "not a valid choice", ["null" if c is None else c for c in choices]
-                )
-            problem = out_of_bounds(schema, str(key), value)
-            if problem:
-                raise ConfigError(path, value, problem)
-        child = node._get_node(key)
-        if isinstance(child, DictConfig):
-            check_fields(child, f"{path}.")
 
 
 def check_world(cfg: DictConfig) -> World:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from framework.config.fields import doc
+from framework.config.fields import check_fields, doc, schema_error
 from framework.errors import ConfigError
 
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler"}
@@ -89,12 +89,8 @@ def load(overrides: list[str], conf_dirs: list[Path]) -> tuple[SweepConfig, list
     except OmegaConfBaseException as err:
         field = getattr(err, "full_key", "") or ""
         names = [f.name for f in dataclasses.fields(SweepConfig)]
-        if "not in" in str(err) or "Key '" in str(err):
-            raise ConfigError(f"sweep.{field}", "?", "no such key", names, near=field) from None
-        raise ConfigError(f"sweep.{field}", "?", str(err).splitlines()[0].rstrip(".")) from None
-    from framework.plugins import check_declared
-
-    check_declared(cfg, "sweep")
+        raise schema_error(err, f"sweep.{field}", "?", names) from None
+    check_fields(cfg, "sweep.")
     return cfg, rest
 
 

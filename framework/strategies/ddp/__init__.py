@@ -11,19 +11,15 @@ from datetime import timedelta
 from typing import Any
 
 from framework.config.fields import doc
+from framework.config.schema import CollectiveSettings
 from framework.world import World, collective_backend, local_device
-
-BACKENDS = (None, "gloo", "nccl")
 
 
 @dataclass
-class Config:
+class Config(CollectiveSettings):
     """Distributed data parallel (torch DDP)."""
 
     kind: str = doc("ddp", "Strategy plugin.")
-    backend: str | None = doc(
-        None, "Collective backend (None: nccl on CUDA, gloo on CPU).", BACKENDS
-    )
     find_unused_parameters: bool = doc(False, "Allow parameters that get no gradient in a step.")
     static_graph: bool = doc(
         False, "Promise the graph is the same every step (enables optimizations)."
@@ -32,7 +28,6 @@ class Config:
         True, "Gradients alias the all-reduce buckets (saves memory)."
     )
     bucket_cap_mb: int = doc(25, "Size of gradient buckets all-reduced together, in MiB.", min=1)
-    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from framework.config.fields import doc
+from framework.config.schema import CollectiveSettings
 from framework.errors import ConfigError
 from framework.world import World, collective_backend
 
@@ -27,7 +28,7 @@ log = logging.getLogger("framework.deepspeed")
 
 
 @dataclass
-class Config:
+class Config(CollectiveSettings):
     """ZeRO stages 1-3 with optional CPU/NVMe offload (DeepSpeed)."""
 
     kind: str = doc("deepspeed", "Strategy plugin.")
@@ -41,8 +42,6 @@ class Config:
         100_000, "Stage 3: parameters with fewer elements stay whole on every process.", min=0
     )
     bucket_size: int = doc(200_000_000, "Elements per reduce-scatter / all-gather bucket.", min=1)
-    backend: str | None = doc(None, "Collective backend (None: nccl on CUDA, gloo on CPU).")
-    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
     deepspeed_config: dict[str, Any] = doc({}, "Extra DeepSpeed config keys, merged over ours.")
     ep: int = doc(1, "Expert-parallel degree: only 1 under ZeRO (use strategy=expert or fsdp).")
 

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from framework.config.fields import doc
+from framework.config.schema import CollectiveSettings
 from framework.errors import ConfigError
 from framework.world import World, collective_backend, local_device
 
@@ -38,7 +39,7 @@ class OuterOptimizer:
 
 
 @dataclass
-class Config:
+class Config(CollectiveSettings):
     """DiLoCo / local SGD: inner steps without communication, an outer step every H steps."""
 
     kind: str = doc("diloco", "Strategy plugin.")
@@ -54,10 +55,6 @@ class Config:
     fragments: int = doc(
         1, "Streaming: parameter fragments synchronised at staggered steps (1: all at once).", min=1
     )
-    backend: str | None = doc(
-        None, "Collective backend (None: nccl on CUDA, gloo on CPU).", (None, "gloo", "nccl")
-    )
-    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:

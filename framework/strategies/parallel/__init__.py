@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from framework.config.fields import doc
+from framework.config.schema import CollectiveSettings
 from framework.errors import ConfigError
 from framework.parallel.dims import ParallelDims
 from framework.world import World, collective_backend
@@ -38,7 +39,7 @@ PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages", "split_points",
 
 
 @dataclass
-class Config:
+class Config(CollectiveSettings):
     """Degrees of pipeline (pp), data (dp), sharded data (fsdp) and tensor (tp) parallelism on
     one mesh, with the settings of each."""
 
@@ -105,10 +106,6 @@ class Config:
         False, "Save a picture of the executed schedule (pipeline_schedule.png in the run dir)."
     )
     trace_step: int = doc(3, "The optimizer step whose schedule `trace` draws.", min=1)
-    backend: str | None = doc(
-        None, "Collective backend (None: nccl on CUDA, gloo on CPU).", (None, "gloo", "nccl")
-    )
-    timeout_s: int = doc(1800, "Seconds a collective may wait before the job fails.", min=1)
 
 
 def dims_of(cfg: Config, world_size: int) -> ParallelDims:
