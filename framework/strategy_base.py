@@ -2,7 +2,7 @@
 
 A plugin's `build(cfg, world, inputs)` (see `framework.plugins.StrategyPlugin`) receives
 `StrategyInputs` from the worker and returns a Lightning `Strategy`. Mixing `StrategyBase` in
-front of the Lightning class gives that strategy three things the worker relies on:
+front of the Lightning class gives that strategy what the worker and the callbacks rely on:
 
 - `inputs` kept on the strategy (its `__init__` takes `inputs=` before Lightning's arguments);
 - resuming from a checkpoint written in another layout or process count (`inputs.move_from`):
@@ -12,7 +12,9 @@ front of the Lightning class gives that strategy three things the worker relies 
   mixture-of-experts load balancing, and each strategy's own gradient work);
 - data loaders in one global order (framework.data.order): every loader Lightning prepares gets
   a `GlobalOrderSampler` bound to this rank's (rank, size) among the ranks that read different
-  data (unless `task.data_order=keep`).
+  data (unless `task.data_order=keep`);
+- `save_async(trainer, filepath)`: the checkpoint callback's one question for a background write
+  (`callbacks.checkpoint.async_save`); None by default, the strategies with DCP layouts answer it.
 
 The strategy itself applies `inputs.transforms` (activation checkpointing, compile) to the task's
 blocks at the right point of its setup: after tensor parallelism, before data-parallel wrapping.
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from framework import portable
     from framework.nn.transforms import ModelTransforms
 
@@ -62,6 +66,14 @@ class StrategyBase:
     def load_portable(self, state: portable.Portable) -> None:
         """Copy a full, name-keyed state into this strategy's model and optimizers."""
         raise NotImplementedError(f"{type(self).__name__} cannot take in another layout")
+
+    def save_async(self, trainer: Any, filepath: Path) -> Future | None:
+        """Write the checkpoint of `trainer` at `filepath` in the background: returns once the
+        state is copied (training may go on changing it), with the Future of the write (its
+        `result()` raises a failed write). None (the default): this strategy writes in the
+        foreground only, nothing was written, and the caller saves with
+        `trainer.save_checkpoint`. Called on every rank, at the same step."""
+        return None
 
     def parameter_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.lightning_module.named_parameters()}  # type: ignore[attr-defined]

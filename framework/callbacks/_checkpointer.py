@@ -213,17 +213,16 @@ class Checkpointer(pl.Callback):
         own = resumable_part(trainer.train_dataloader)
         self.data_state = _gather(own.state_dict(), trainer.world_size) if own else None
         trainer.strategy.barrier("checkpoint-dir")
-        background = self.cfg.async_save and hasattr(trainer.strategy, "async_saves")
-        if background:
-            trainer.strategy.async_saves = True
-        trainer.save_checkpoint(tmp / STATE_FILE, weights_only=False)
+        future = (
+            trainer.strategy.save_async(trainer, tmp / STATE_FILE) if self.cfg.async_save else None
+        )
+        if future is None:  # the strategy writes in the foreground (StrategyBase.save_async)
+            trainer.save_checkpoint(tmp / STATE_FILE, weights_only=False)
         self.stall = time.perf_counter() - started  # what training waited for this save
         meta = self._meta(trainer, step) if trainer.is_global_zero else {}
         self.rng_states = []
         self.last_saved = step
-        future = getattr(trainer.strategy, "pending_save", None) if background else None
         if future is not None:  # rank 0 commits it once written and released, in the background
-            trainer.strategy.pending_save = None
             self.pending = {"future": future, "step": step, "error": None}
             self.pending["released"] = threading.Event()
             if trainer.is_global_zero:

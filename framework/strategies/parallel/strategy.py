@@ -55,8 +55,8 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         self.dims = dims
         self.pipeline: PipelineRunner | None = None
         self.ties: stages.Ties | None = None
-        self.async_saves = False  # set by callbacks.checkpoint.async_save
-        self.pending_save = None  # the Future of the last background write
+        self.async_saves = False  # within save_async only
+        self.pending_save = None  # the Future of the background write save_async started
         self._save_group = None
 
     # ---- processes
@@ -267,6 +267,16 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             )
 
     # ---- checkpoints
+    def save_async(self, trainer, filepath):
+        """DCP's async_save of the checkpoint (see StrategyBase.save_async)."""
+        self.async_saves = True
+        try:
+            trainer.save_checkpoint(filepath, weights_only=False)
+        finally:
+            self.async_saves = False
+        future, self.pending_save = self.pending_save, None
+        return future
+
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         """Lightning's DCP save, or with `async_saves` the same files written by a background
         thread: the state is copied first, so training may go on changing it."""
