@@ -319,6 +319,8 @@ class Checkpointer(pl.Callback):
         rank 0. Held back until the step's validation has run (or the next step begins), so
         the metrics they carry, and which is best, are that step's. Called at every step
         boundary: the uploads whose files are copied are then logged."""
+        if not self.unannounced and not self.uploaders:
+            return  # most steps: nothing newly committed, no uploading logger to tell
         done, self.unannounced = self.unannounced, []
         if not trainer.is_global_zero:
             return
