@@ -7,6 +7,8 @@ A new top-level module must be given its layer here: the first test names any th
 
 from __future__ import annotations
 
+import pytest
+
 from tests.unit.test_imports import import_graph
 
 # Lowest first. An entry names a module or a package (with everything under it); a module takes
@@ -17,7 +19,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "framework.checkpointing",
             "framework.config.fields",
-            "framework.context",
             "framework.errors",
             "framework.files",
             "framework.logs",
@@ -25,7 +26,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "framework.perf",
             "framework.portable",
             "framework.processes",
-            "framework.resume",
             "framework.rng",
             "framework.safe_load",
             "framework.secrets",
@@ -38,7 +38,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("framework", "framework.data", "framework.instantiate", "framework.nn", "framework.task"),
     ),
     ("parallel", ("framework.parallel",)),
-    ("config and contract", ("framework.config", "framework.plugins", "framework.strategy_base")),
+    (
+        "config and contract",  # RunContext is what a plugin is built with; resume compares configs
+        (
+            "framework.config",
+            "framework.context",
+            "framework.plugins",
+            "framework.resume",
+            "framework.strategy_base",
+        ),
+    ),
     (
         "sweep library",
         (
@@ -121,3 +130,55 @@ def test_an_upward_import_is_found():
     assert layer_of("framework") == layer_of("framework.task") != layer_of("framework.errors")
     assert layer_of("framework.sweep.study") < layer_of("framework.callbacks._pruning")
     assert layer_of("framework.unplaced_module") is None
+
+
+def test_inside_torchrun_the_runner_hands_the_job_to_the_external_launcher(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from framework import external, runner
+    from framework.launchers import local
+    from framework.plugins import required_names
+
+    cfg = OmegaConf.create({"launcher": {"kind": "local"}})
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    assert runner.job_launcher(cfg)[0] is local
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    launcher, launcher_cfg = runner.job_launcher(cfg)
+    assert launcher is external and isinstance(launcher_cfg, external.Config)
+    assert [n for n in required_names("launcher") if not hasattr(external, n)] == []
+
+
+def test_a_slurm_task_preempted_by_its_signal_requeues_and_by_sigterm_stops(
+    monkeypatch, tmp_path, caplog
+):
+    """worker.entry hands the preemption to launcher=slurm's Task, which requeues the job on
+    its own signal (rank 0) and only stops on SIGTERM (scancel)."""
+    import signal
+
+    from framework import external, worker
+    from framework.callbacks._checkpointer import Preempted
+    from framework.launchers import slurm
+    from framework.world import World
+
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    calls = []
+    monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    monkeypatch.setattr(external, "check_world", lambda world: None)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.delenv("RANK", raising=False)
+    world = World(world_size=1, devices=1, num_nodes=1, accelerator="cpu")
+    task = slurm.Task(str(tmp_path / "config.yaml"), "", "USR2", 3, world)
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+
+        def preempted(cfg, run_dir, resume_from, signum=signum):
+            assert run_dir == tmp_path and cfg.seed == 0
+            raise Preempted(12, signum)
+
+        monkeypatch.setattr(worker, "_train", preempted)
+        assert task() == "preempted"
+    assert calls == [["scontrol", "requeue", "77"]]
+    with pytest.raises(Preempted):  # nobody takes it: fw exits 75
+        worker.entry(tmp_path / "config.yaml")
