@@ -276,7 +276,7 @@ def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
         made_of = hf_pipeline.describe(*found) if found else None
         raise ConfigError(
             "strategy.pp",
-            cfg.pp,
+            dims.pp,  # the degree in force (cfg.pp is -1 when derived from the devices)
             f"{n_stages} stages (pp x virtual_stages) is more than the {len(chain)} layers of "
             + (made_of or f"{name} ({', '.join(layer.name for layer in chain[:6])}, ...)"),
             hint=f"Use at most {len(chain)} stages, or a model with more layers.",
