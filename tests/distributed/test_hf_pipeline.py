@@ -10,24 +10,14 @@ import json
 
 import pytest
 
-from tests.conftest import QUIET, fw, losses, refused
+from tests.conftest import fw, losses, refused
+from tests.distributed import test_hf
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 FAMILIES = {"llama": "tests.hf_tasks.PlainLlama", "qwen2": "tests.hf_tasks.PlainQwen2"}
-PLAIN = [
-    "task=digits",
-    "~task.model.dropout",
-    "task.model.hidden=64",
-    "task.data._target_=tests.hf_tasks.RandomTokens",
-    "~task.data.val_fraction",
-    "trainer.max_steps=10",
-    "trainer.log_every_n_steps=1",
-    "trainer.deterministic=true",
-    "logger=[csv]",
-    "callbacks=none",
-    *QUIET,
-]
+# test_hf.py's settings (10 steps, CSV losses, deterministic), the family chosen per test
+PLAIN = [a for a in test_hf.PLAIN if not a.startswith("task._target_=")]
 PIPELINE = ["strategy=pipeline", "strategy.microbatches=2"]
 INTERLEAVED = [*PIPELINE, "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"]
 SHARDS = ["+callbacks.shards._target_=tests.tasks.ShardCounter", "+callbacks.shards.out=OUT"]
