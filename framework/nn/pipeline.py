@@ -1,7 +1,7 @@
 """Cutting a model into pipeline stages (torch only; no process group needed).
 
 A model that can be pipelined is a chain of layers, each a function of the previous one's output.
-It says so in one of two ways:
+It says so in one of three ways:
 
 - `pipeline_layers()` returning `[(names, run), ...]` in order: `names` are the submodules (names
   relative to the model) whose parameters `run` uses, `run` maps the previous output to the next.
@@ -13,12 +13,13 @@ It says so in one of two ways:
 The task's pipelined model is its first child declaring layers or being an nn.Sequential, else
 its first transformers model with a plan. The last stage computes the loss: the task's own
 `loss` (on `pipeline_batch`'s target), or for a transformers causal LM with none the model's own
-causal-LM loss (`objective`). A stage is a contiguous run of
-layers: balanced by parameter count (tied parameters counted once) or by each layer's measured
-forward + backward time (`time_layers`), or started at the layers the config names
-(`strategy.split_points`). Every rank builds the whole model from the seed (so initial weights
-are the one-process ones) and then drops the modules of the stages it does not run;
-parameter names do not change, so checkpoints of any split read back by name.
+causal-LM loss (`objective`).
+
+A stage is a contiguous run of layers: balanced by parameter count (tied parameters counted
+once) or by each layer's measured forward + backward time (`time_layers`), or started at the
+layers the config names (`strategy.split_points`). Every rank builds the whole model from the
+seed (so initial weights are the one-process ones) and then drops the modules of the stages it
+does not run; parameter names do not change, so checkpoints of any split read back by name.
 """
 
 from __future__ import annotations
