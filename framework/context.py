@@ -64,7 +64,7 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
     breaking, harmless = [], []
     if a.get("strategy.kind") != b.get("strategy.kind"):
         # Another strategy plugin: its settings differ wholesale; name the move once.
-        harmless.append(f"strategy: {_preset(old)} -> {_preset(new)}")
+        harmless.append(f"strategy: {describe_strategy(old)} -> {describe_strategy(new)}")
         a = {k: v for k, v in a.items() if not k.startswith("strategy.")}
         b = {k: v for k, v in b.items() if not k.startswith("strategy.")}
     for key in sorted(set(a) | set(b)):
@@ -75,19 +75,19 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
     return breaking, harmless
 
 
-def _preset(config: dict[str, Any]) -> str:
+def describe_strategy(config: dict[str, Any]) -> str:
+    """A config's strategy as its plugin describes the setting (`zero2`), or its kind when the
+    plugin cannot read it (a checkpoint of a plugin no longer installed, or of older fields)."""
+    from framework.errors import ConfigError
+    from framework.plugins import capability, load_plugin, typed_config
+
     strategy = config.get("strategy") or {}
     kind = strategy.get("kind", "<absent>")
-    if kind == "deepspeed" and "stage" in strategy:
-        return f"zero{strategy['stage']}"
-    if kind == "parallel":
-        degrees = [
-            f"{k}={strategy[k]}"
-            for k in ("pp", "dp", "fsdp", "tp", "ep")
-            if strategy.get(k, 1) != 1
-        ]
-        return f"parallel({', '.join(degrees)})"
-    return str(kind)
+    try:
+        plugin = load_plugin("strategy", str(kind), "strategy.kind")
+        return capability(plugin, "describe")(typed_config(plugin, strategy, "strategy"), None)
+    except (ConfigError, ImportError):
+        return str(kind)
 
 
 def load_run_state(run_dir: Path) -> dict[str, Any]:

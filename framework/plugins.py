@@ -9,6 +9,13 @@ training process) call them directly, with everything they need passed in as arg
 
 Each hook receives its own config node as an instance of the module's `Config` dataclass
 (`typed_config`), in the `fw` process and in the workers alike.
+
+Besides its required hooks a strategy module may define the optional members of
+`StrategyCapabilities` (what `fw check`, `fw plan`, validation and the run's messages ask of a
+strategy); `capability(module, name)` gives the module's own or the default written there. Code
+outside a plugin's package asks these, never the plugin's `kind`. The objects plugins build have
+optional hooks too, written down as `CheckpointUploader` and `SeparateWriter` (loggers) and
+`DataModuleHooks` (the user's data module).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from framework.context import RunContext
+    from framework.parallel.dims import ParallelDims
+    from framework.preflight.simulate import RankMemory
     from framework.strategy_base import StrategyInputs
     from framework.world import World
 
@@ -77,6 +86,97 @@ class StrategyPlugin(Protocol):
         """The lightning.pytorch Strategy for this worker. Built strategies mix in
         `framework.strategy_base.StrategyBase` (inputs, moves from other layouts, samplers)
         and apply `inputs.transforms` to the task's blocks before data-parallel wrapping."""
+
+
+class StrategyCapabilities(Protocol):
+    """Optional members of a strategy plugin module, each with its default here (a module that
+    lacks one gets it). `fw check`, `fw plan`, validation and the run's messages call them
+    through `capability`."""
+
+    @staticmethod
+    def describe(cfg: Any, world: World | None) -> str:
+        """The strategy in a few words. With `world`: the layout `fw check` and `fw plan` report
+        (`ddp x 8`, `zero3 x 8`, `pp=2 x fsdp=4`); with None: the setting as written, for the
+        message that a resume moves a checkpoint between strategies (`zero2`)."""
+        return str(cfg.kind) if world is None else f"{cfg.kind} x {world.world_size}"
+
+    @staticmethod
+    def mesh_dims(cfg: Any, world: World) -> ParallelDims | None:
+        """The degrees on one DeviceMesh, for a strategy built on `framework.parallel`: `fw
+        check` then simulates representative ranks on the fake backend as `parallelize` applies
+        them (the pipeline and tensor-parallel settings read from the fields of `cfg` named as
+        the parallel plugin's) and checks their device placement. None (default): every process
+        holds one whole replica, simulated once."""
+        return None
+
+    @staticmethod
+    def model_states(
+        cfg: Any, world: World, replica: RankMemory, precision: str
+    ) -> tuple[RankMemory, str | None]:
+        """A rank's memory from the figures of one whole replica (`fw check`, for a strategy
+        whose `mesh_dims` is None), and a note on how it was estimated. Default: the replica as
+        it is (data parallel with replicated model states), no note."""
+        return replica, None
+
+    @staticmethod
+    def preflight_notes(cfg: Any, world: World) -> list[str]:
+        """Lines `fw check` prints under its table: where its simulation differs from the job."""
+        return []
+
+    @staticmethod
+    def saves_async(cfg: Any, world: World) -> bool:
+        """Whether the Lightning strategy `build` returns writes checkpoints in the background
+        (answers `StrategyBase.save_async`); `callbacks.checkpoint.async_save` is refused before
+        launch otherwise. Default: False."""
+        return False
+
+    @staticmethod
+    def data_traffic(cfg: Any, world: World, grads: int, params: int) -> float:
+        """Bytes one rank sends per optimizer step to keep the data-parallel ranks in step
+        (`fw plan`), given its own bytes of gradients and of parameters. Default: an all-reduce
+        of the gradients, 2 * grads (ring volume, the (N-1)/N factor left out)."""
+        return 2 * grads
+
+
+def capability(module: ModuleType, name: str) -> Callable[..., Any]:
+    """A strategy module's optional member `name`, or its default in `StrategyCapabilities`."""
+    default = getattr(StrategyCapabilities, name)  # an unknown name fails here, not later
+    return getattr(module, name, default)
+
+
+class CheckpointUploader(Protocol):
+    """Optional methods of the lightning Logger a logger plugin's `build` returns: a logger that
+    has them is handed each committed checkpoint (W&B's `log_model`). Called on rank 0 by the
+    checkpoint callback (framework/callbacks/_checkpointer.py)."""
+
+    def log_checkpoint(self, path: Path, meta: dict[str, Any], best: bool) -> None:
+        """A checkpoint directory was committed (`meta`: its meta.json; `best`: it beats every
+        earlier one on `callbacks.checkpoint.monitor`). Copy or upload it; may return before
+        the upload is done."""
+
+    def wait_staged(self) -> None:
+        """Return once every checkpoint handed over is copied, so that it may be pruned."""
+
+    def log_staged(self) -> None:
+        """Log the uploads whose copies are done (called at every step boundary)."""
+
+
+class SeparateWriter(Protocol):
+    """An optional method of a lightning Logger whose records are written by another process
+    (W&B's service). Called on rank 0 by the checkpoint callback, after `Logger.save()`."""
+
+    def wait_received(self) -> None:
+        """Return once the metrics logged so far are written by the logger's own process (before
+        a checkpoint of that step is committed: a resume never lacks a row before it)."""
+
+
+class DataModuleHooks(Protocol):
+    """Optional methods of the user's LightningDataModule that the framework calls."""
+
+    def check_ready(self, key: str) -> None:
+        """Raise ConfigError (naming `key`, e.g. `task.data`) when the data cannot be loaded as
+        configured, e.g. a prepared dataset that is not there. Called by the dry build in the
+        `fw` process, after the constructor and before anything is written or started."""
 
 
 class LoggerPlugin(Protocol):

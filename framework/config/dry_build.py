@@ -45,7 +45,8 @@ def dry_build(task_cfg: DictConfig) -> tuple[Any, Any]:
         data = instantiate_args(task_cfg.data)
     except Exception as err:
         raise blame("task.data", data_args, err, task_cfg.data._target_) from None
-    ready = getattr(data, "check_ready", None)  # e.g. a prepared dataset that is not there
+    # an optional hook (framework.plugins.DataModuleHooks): e.g. a prepared dataset not there
+    ready = getattr(data, "check_ready", None)
     if callable(ready):
         ready("task.data")
     if isinstance(task, TaskModule):

@@ -19,7 +19,7 @@ from framework.config.batches import check_batches
 from framework.config.dry_build import dry_build
 from framework.config.fields import check_fields
 from framework.errors import ConfigError
-from framework.plugins import JobView, load_plugin, typed_config
+from framework.plugins import JobView, capability, load_plugin, typed_config
 from framework.world import World, cuda_device_count
 
 NAMED_FAMILIES = ("logger", "callbacks")  # groups whose entries are `name: {kind or _target_}`
@@ -38,7 +38,8 @@ def validate(cfg: DictConfig, here: bool = True) -> World:
     strategy = typed_config(plugin, cfg.strategy, "strategy")
     plugin.validate(strategy, world, JobView(cfg.task, cfg.trainer, model))
     check_batches(cfg.trainer, data, plugin.data_parallel(strategy, world)[1])
-    check_async_save(cfg, plugin.checkpoint_format(strategy, world))
+    if not capability(plugin, "saves_async")(strategy, world):
+        check_foreground_saves(cfg, plugin.checkpoint_format(strategy, world))
     check_log_model(cfg)
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     if here:
@@ -49,10 +50,11 @@ def validate(cfg: DictConfig, here: bool = True) -> World:
     return world
 
 
-def check_async_save(cfg: DictConfig, ckpt_format: str) -> None:
-    """Background checkpoint writes exist for the DCP layouts only."""
+def check_foreground_saves(cfg: DictConfig, ckpt_format: str) -> None:
+    """For a strategy that writes its checkpoints in the foreground only (its plugin's
+    `saves_async` is false): no background writes asked for."""
     ckpt = (cfg.get("callbacks") or {}).get("checkpoint")
-    if ckpt is not None and ckpt.get("async_save") and ckpt_format not in ("dcp", "dcp_flat"):
+    if ckpt is not None and ckpt.get("async_save"):
         raise ConfigError(
             "callbacks.checkpoint.async_save",
             True,

@@ -21,7 +21,10 @@ log = logging.getLogger("framework.wandb")
 
 
 class RunWandbLogger(WandbLogger):
-    """Lightning's WandbLogger that says how to upload an offline run when training ends."""
+    """Lightning's WandbLogger that says how to upload an offline run when training ends. It
+    has the optional logger hooks of framework.plugins (`CheckpointUploader`: log_checkpoint,
+    wait_staged, log_staged; `SeparateWriter`: wait_received), which the checkpoint callback
+    calls."""
 
     def __init__(
         self,

@@ -3,10 +3,11 @@ the failures its workers would meet, found in this one process before anything i
 
 The config is composed and validated as `fw train` does, for the machines it names (see
 `validate(here=False)`), then representative ranks (the first and last rank of each pipeline
-position) are run one step each on the fake backend (framework/preflight/simulate.py). DeepSpeed
-strategies run one replica for the activations and take their model states from ZeRO's formulas:
-DeepSpeed's own estimators under mixed precision, the fp32 figures the memory benchmark measured
-otherwise.
+position) are run one step each on the fake backend (framework/preflight/simulate.py). What the
+check needs from a strategy it asks the plugin (`framework.plugins.StrategyCapabilities`): its
+degrees on one mesh, or, for a strategy that keeps a whole replica per process, one replica run
+for the activations and the plugin's own share of the model states (ZeRO's formulas for
+DeepSpeed).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class CheckReport:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     config: Any = None  # the composed, resolved config that was checked
+    plugin: Any = None  # the strategy plugin module
+    strategy: Any = None  # its typed config
+    world: Any = None  # the process layout checked
 
     @property
     def worst(self) -> RankMemory:
@@ -89,6 +93,7 @@ def check(
     report = simulate(cfg, world, batch, ranks, quick)
     report.device_bytes = device
     report.config = cfg
+    report.world = world
     report.seconds = time.perf_counter() - started
     return report
 
@@ -159,7 +164,7 @@ def simulate(
     cfg: DictConfig, world, batch: Any, chosen: list[int] | None, quick: bool = False
 ) -> CheckReport:
     from framework.nn.transforms import ModelTransforms
-    from framework.plugins import load_plugin, typed_config
+    from framework.plugins import capability, load_plugin, typed_config
     from framework.preflight import simulate as sim
 
     kind = cfg.strategy.kind
@@ -169,22 +174,24 @@ def simulate(
     notes = []
     if cfg.trainer.compile:
         notes.append("trainer.compile is not applied in the check (eager memory is shown).")
-    if kind == "parallel":
-        dims = plugin.dims_of(strategy, world.world_size)
+    layout = capability(plugin, "describe")(strategy, world)
+    dims = capability(plugin, "mesh_dims")(strategy, world)
+    if dims is not None:
         rows = []
         for rank in representative(dims, chosen, quick):
             rows.append(
                 failing_rank(
                     rank,
-                    dims.describe(),
+                    layout,
                     lambda r=rank: sim.parallel_rank(
                         cfg.task, cfg.trainer, batch, r, strategy, dims, transforms, world.is_cuda
                     ),
                 )
             )
-        if dims.pp > 1 and strategy.balance == "time":
-            notes.append("balance=time cuts by measured time in the job; the check cuts by params.")
-        return CheckReport(dims.describe(), world.world_size, rows, notes=notes)
+        notes += capability(plugin, "preflight_notes")(strategy, world)
+        return CheckReport(
+            layout, world.world_size, rows, notes=notes, plugin=plugin, strategy=strategy
+        )
     replica = failing_rank(
         0,
         kind,
@@ -192,27 +199,31 @@ def simulate(
             cfg.task, cfg.trainer, batch, 0, world.world_size, transforms, world.is_cuda
         ),
     )
-    if kind == "deepspeed":
-        replica, note = zero_states(replica, strategy, cfg.trainer.precision, world)
-        notes.append(note)
-    name = f"zero{strategy.stage}" if kind == "deepspeed" else kind
-    return CheckReport(f"{name} x {world.world_size}", world.world_size, [replica], notes=notes)
+    replica, note = capability(plugin, "model_states")(
+        strategy, world, replica, cfg.trainer.precision
+    )
+    notes += [note] if note else []
+    notes += capability(plugin, "preflight_notes")(strategy, world)
+    return CheckReport(
+        layout, world.world_size, [replica], notes=notes, plugin=plugin, strategy=strategy
+    )
 
 
 def check_placement(cfg: DictConfig, world, batch: Any, chosen: list[int] | None) -> None:
-    """ConfigError when a rank of the parallel strategy would, on its GPU, keep a tensor on the
-    CPU after setup or hand one to a collective (framework/preflight/devices.py); the first rank
-    of each pipeline position, which differ in their stages (the others only in shard sizes).
-    The other strategies move the whole module with Lightning's or DeepSpeed's own setup."""
+    """ConfigError when a rank of a strategy on one mesh (`mesh_dims`) would, on its GPU, keep a
+    tensor on the CPU after setup or hand one to a collective (framework/preflight/devices.py);
+    the first rank of each pipeline position, which differ in their stages (the others only in
+    shard sizes). The other strategies move the whole module with Lightning's or DeepSpeed's
+    own setup."""
     from framework.nn.transforms import ModelTransforms
-    from framework.plugins import load_plugin, typed_config
+    from framework.plugins import capability, load_plugin, typed_config
     from framework.preflight.devices import placement_errors, refuse
 
-    if cfg.strategy.kind != "parallel":
-        return
-    plugin = load_plugin("strategy", "parallel", "strategy.kind")
+    plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
     strategy = typed_config(plugin, cfg.strategy)
-    dims = plugin.dims_of(strategy, world.world_size)
+    dims = capability(plugin, "mesh_dims")(strategy, world)
+    if dims is None:
+        return
     transforms = ModelTransforms(cfg.trainer.activation_checkpointing, False)
     for rank in representative(dims, chosen, quick=True):
         errors = failing_rank(
@@ -246,59 +257,3 @@ def failing_rank(rank: int, layout: str, run) -> Any:
         ) from None
     finally:
         fake_log.setLevel(level)
-
-
-def zero_states(replica: RankMemory, cfg, precision: str, world) -> tuple[RankMemory, str]:
-    """ZeRO's per-rank model states from the whole-model replica's bytes. Each rank steps the
-    task's optimizer on its 1/N partition: 1/N of the replica's step temporaries, none on the
-    device when the optimizer is offloaded."""
-    n = world.world_size
-    params, states = replica.params, replica.optimizer
-    offload_opt = cfg.offload_optimizer != "none"
-    offload_params = cfg.stage == 3 and cfg.offload_params != "none"
-    step = 0 if offload_opt else replica.optimizer_step // n
-    if precision in ("bf16-mixed", "16-mixed"):
-        return deepspeed_estimate(replica, cfg, world, offload_opt, offload_params, step)
-    # fp32, as benchmarks/memory.py measured: stages 1-2 keep an fp32 copy of their partition
-    row = RankMemory(
-        replica.rank,
-        f"zero{cfg.stage}, every rank",
-        0 if offload_params else (params // n if cfg.stage == 3 else params),
-        params // n,
-        0 if offload_opt else states // n + (params // n if cfg.stage < 3 else 0),
-        replica.activations,
-        step,
-        "optimizer offloaded" if offload_opt else "",
-    )
-    return row, "ZeRO model states: the fp32 formulas the memory benchmark verified."
-
-
-def deepspeed_estimate(replica, cfg, world, offload_opt, offload_params, step: int):
-    psi = replica.params // 4
-    if cfg.stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-        _, device, _ = estimate_zero3_model_states_mem_needs(
-            psi, psi, world.devices, world.num_nodes, offload_opt, offload_params
-        )
-    else:
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        _, device = estimate_zero2_model_states_mem_needs(
-            psi, world.devices, world.num_nodes, offload_opt
-        )
-    params = 2 * psi // (world.world_size if cfg.stage == 3 else 1)
-    row = RankMemory(
-        replica.rank,
-        f"zero{cfg.stage}, every rank",
-        params,
-        0,
-        max(0, device - params),
-        replica.activations,
-        step,
-        "grads in optimizer column",
-    )
-    return row, (
-        "ZeRO model states: DeepSpeed's estimator (16-bit params and grads, fp32 master and "
-        "Adam states); its largest-layer term uses the whole model, an upper bound."
-    )

@@ -2,14 +2,16 @@
 `fw check` accepts, with its memory per rank and bytes sent per step, the recommended one first.
 
 Each layout is checked exactly as `fw check` would (framework/preflight/check.py); one that fails
-there is left out. The bytes are the standard per-rank volumes of one optimizer step (ring
+there is left out. With `strategy=NAME` among the overrides (a strategy of your own, say) only that
+strategy is checked, with its own settings. The bytes are the standard per-rank volumes of one optimizer step (ring
 collectives, the (N-1)/N factor left out): data parallel all-reduces the gradients (2Ψ, Ψ the
 gradient bytes), ZeRO-1/2 reduce-scatter them and all-gather the updated parameters (2Ψ), ZeRO-3 and
 FSDP gather the parameters again for backward (3Ψ), tensor parallel all-reduces activations twice
 in forward and twice in backward per layer (4·b·s·h), a pipeline sends each microbatch's
 activations forward and their gradients back at each stage boundary (2·b·s·h), and
 mixture-of-experts layers all-to-all the routed tokens there and back, forward and backward
-(4·b·s·k·h per layer).
+(4·b·s·k·h per layer). The data-parallel bytes and the degrees come from the strategy plugin
+(`data_traffic`, `mesh_dims`: framework.plugins.StrategyCapabilities).
 
 The layouts are listed, and the first recommended, in the order a practitioner tries them: whole
 replicas first (ddp; zero1, zero2: the same bytes as ddp, less memory), then sharded parameters
@@ -96,13 +98,16 @@ def plan(
     """The layouts that pass `fw check` (best first) and the refused ones with their reason."""
     if gpus < 1:
         raise ConfigError("--gpus", gpus, "must be at least 1")
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    for key in ("strategy", "trainer.devices", "trainer.num_nodes", "trainer.accelerator"):
+    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[-1] for o in overrides}
+    for key in ("trainer.devices", "trainer.num_nodes", "trainer.accelerator"):
         if key in keys:
             raise ConfigError(key, "given", "fw plan chooses it; leave it out of the overrides")
     world = world_overrides(gpus)
+    candidates = layouts(gpus, min(gpus, GPUS_PER_NODE))
+    if "strategy" in keys:  # the one strategy named, e.g. one of the user's own
+        candidates = [(keys["strategy"], [])]
     options, refused = [], []
-    for order, (name, layout) in enumerate(layouts(gpus, min(gpus, GPUS_PER_NODE))):
+    for order, (name, layout) in enumerate(candidates):
         args = [*overrides, *layout, *world]
         try:
             report = check(args, extra_dirs, gpu_mem, quick=True)
@@ -114,29 +119,21 @@ def plan(
                 (name, f"needs {report.worst.total / 2**30:.1f} GiB on rank {report.worst.rank}")
             )
             continue
-        options.append(
-            Option(order, name, layout, report, comm_bytes(report.config, report, layout, gpus))
-        )
+        options.append(Option(order, name, layout, report, comm_bytes(report.config, report)))
     options.sort(key=lambda o: o.order)  # the simplest layout that fits comes first
     return options, refused
 
 
-def comm_bytes(cfg: DictConfig, report: CheckReport, layout: list[str], gpus: int) -> float:
+def comm_bytes(cfg: DictConfig, report: CheckReport) -> float:
     """Bytes one rank sends per optimizer step under this layout (see the module docstring)."""
-    degrees = {"pp": 1, "tp": 1}
-    for entry in layout:
-        key, _, value = entry.partition("=")
-        if key in ("strategy.pp", "strategy.tp"):
-            degrees[key.split(".")[1]] = int(value)
-    kind = layout[0].split("=")[1]
+    from framework.plugins import capability
+
+    plugin, strategy, world = report.plugin, report.strategy, report.world
+    dims = capability(plugin, "mesh_dims")(strategy, world)
+    degrees = {"pp": dims.pp, "tp": dims.tp} if dims is not None else {"pp": 1, "tp": 1}
     grads = max(r.grads for r in report.ranks)  # this rank's share of the gradients
-    data_ranks = gpus // (degrees["pp"] * degrees["tp"])
-    if kind == "ddp":
-        data = 2 * grads
-    elif kind in ("zero1", "zero2"):
-        data = 2 * max(r.params for r in report.ranks)  # whole parameters on every rank
-    else:  # zero3 and FSDP: the shards times the ranks that share them
-        data = 3 * grads * data_ranks if data_ranks > 1 else 0
+    params = max(r.params for r in report.ranks)
+    data = capability(plugin, "data_traffic")(strategy, world, grads, params)
     model = dict(cfg.task.model)
     rows, seq = int(cfg.task.data.get("batch_size", 0)), int(model.get("block_size", 0))
     width, n_layer = int(model.get("n_embd", 0)), int(model.get("n_layer", 0))

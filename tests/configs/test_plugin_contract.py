@@ -39,7 +39,7 @@ def test_the_out_of_tree_plugin_from_the_docs_works(workdir):
     for path, body in files.items():
         (workdir / path).parent.mkdir(parents=True, exist_ok=True)
         (workdir / path).write_text(body)
-    train, two, typo = commands
+    train, two, typo, check, plan = commands
     common = [*QUIET, "logger=[csv]", "trainer.log_every_n_steps=1", "run.dir=run"]
     result = fw(*train[1:], *common, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -58,6 +58,14 @@ def test_the_out_of_tree_plugin_from_the_docs_works(workdir):
         assert result.returncode == 2, result.stderr[-3000:]
         assert message in result.stderr and "Traceback" not in result.stderr
         assert not (workdir / "bad").exists()
+    # fw check and fw plan understand the new strategy (its optional `describe` names it)
+    result = fw(*check[1:], *QUIET, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("single device, 1 processes;"), result.stdout
+    result = fw(*plan[1:], *QUIET, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = next(line for line in result.stdout.splitlines() if line.startswith("*"))
+    assert best.split()[1] == "single" and "strategy=single" in best, result.stdout
 
 
 def test_a_module_missing_a_hook_is_refused_by_name(tmp_path, monkeypatch):

@@ -103,6 +103,27 @@ def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
     return world.rank, world.world_size
 
 
+def describe(cfg: Config, world: World | None) -> str:
+    return f"zero{cfg.stage}" if world is None else f"zero{cfg.stage} x {world.world_size}"
+
+
+def model_states(cfg: Config, world: World, replica: Any, precision: str) -> tuple[Any, str]:
+    """Each rank's share of the model states under this stage and offload (see memory.py)."""
+    from framework.strategies.deepspeed.memory import zero_states
+
+    return zero_states(replica, cfg, precision, world)
+
+
+def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
+    """Stages 1-2: reduce-scatter the gradients, all-gather the updated parameters (2 x the
+    whole parameters, as ddp's all-reduce); stage 3 gathers the parameters again for backward
+    (3 x the shards times the ranks that share them)."""
+    if cfg.stage < 3:
+        return 2 * params
+    n = world.world_size
+    return 3 * grads * n if n > 1 else 0
+
+
 def check_move(cfg: Config, source: str) -> None:
     """Refuse a checkpoint from another layout when state lives on NVMe: DeepSpeed swaps it to
     files that the conversion (framework/portable.py) does not fill."""

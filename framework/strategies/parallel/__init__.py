@@ -172,6 +172,35 @@ def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
     return dims_of(cfg, world.world_size).data_parallel(world.rank)
 
 
+def describe(cfg: Config, world: World | None) -> str:
+    if world is not None:
+        return dims_of(cfg, world.world_size).describe()
+    degrees = [
+        f"{k}={getattr(cfg, k)}" for k in ("pp", "dp", "fsdp", "tp", "ep") if getattr(cfg, k) != 1
+    ]
+    return f"parallel({', '.join(degrees)})"
+
+
+def mesh_dims(cfg: Config, world: World) -> ParallelDims:
+    return dims_of(cfg, world.world_size)
+
+
+def preflight_notes(cfg: Config, world: World) -> list[str]:
+    if dims_of(cfg, world.world_size).pp > 1 and cfg.balance == "time":
+        return ["balance=time cuts by measured time in the job; the check cuts by params."]
+    return []
+
+
+def saves_async(cfg: Config, world: World) -> bool:
+    return True  # DCP's async_save (ParallelStrategy.save_async)
+
+
+def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
+    """FSDP gathers the parameters again for backward: 3 x the shards times the data ranks."""
+    n = dims_of(cfg, world.world_size).data_size
+    return 3 * grads * n if n > 1 else 0
+
+
 def build(cfg: Config, world: World, inputs):
     from framework.strategies.parallel.strategy import ParallelStrategy
 
