@@ -20,6 +20,6 @@ def validate(cfg: Config, world) -> None:
 
 
 def build(cfg: Config, ctx):
-    from lightning.pytorch.callbacks import LearningRateMonitor
+    from framework.callbacks._lr_monitor import LRMonitor
 
-    return LearningRateMonitor(logging_interval=cfg.logging_interval)
+    return LRMonitor(logging_interval=cfg.logging_interval)

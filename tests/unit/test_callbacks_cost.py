@@ -1,0 +1,118 @@
+"""The default callbacks cost nothing on a step where they have nothing to do (issue 33,
+docs/benchmarks.md): no clock read by the straggler check in one process, no module walk by the
+MoE metrics on a model without experts, no `self.log` by the throughput callback on a step that
+Lightning does not write to the loggers; and what they log is still what they measured."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from framework.callbacks import _moe, _stragglers, _throughput
+from framework.callbacks._lr_monitor import LRMonitor
+
+
+class Clock:
+    """A stand-in for the `time` module: counts reads, advances 1 ms per read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def perf_counter(self) -> float:
+        self.reads += 1
+        return self.reads / 1000
+
+    thread_time = perf_counter
+
+
+class Module:
+    """What a callback sees of the LightningModule: it records what is logged."""
+
+    def __init__(self) -> None:
+        self.logged: dict[str, float] = {}
+
+    def log(self, name, value, **kwargs) -> None:
+        self.logged[name] = value
+
+
+def trainer(world_size: int = 1, step: int = 0, logs: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        world_size=world_size,
+        global_step=step,
+        is_global_zero=True,
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        _logger_connector=SimpleNamespace(should_update_logs=logs),
+        train_dataloader=None,
+    )
+
+
+def test_the_straggler_check_reads_no_clock_in_one_process(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(_stragglers, "time", clock)
+    callback = _stragglers.Stragglers(SimpleNamespace(every_n_steps=2, threshold=1.5))
+    one = trainer(world_size=1)
+    callback.on_train_start(one, None)
+    for i in range(5):
+        callback.on_train_batch_start(one, None, None, i)
+        callback.on_before_backward(one, None, None)
+        callback.on_train_batch_end(one, None, None, None, i)
+    assert clock.reads == 0
+
+
+def test_throughput_logs_a_window_at_the_step_lightning_writes_with_its_own_figures(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(_throughput, "time", clock)
+    cfg = SimpleNamespace(window=2, count_flops=False, warn_data_wait=0.0)
+    callback, module = _throughput.Throughput(cfg, data_ranks=2, configured_peak=None), Module()
+    batch = (torch.zeros(8, 3), torch.zeros(8))
+    callback.on_train_start(trainer(), module)
+    for step in range(1, 4):  # the window closes at step 2; Lightning writes logs at step 3
+        t = trainer(step=step, logs=step == 3)
+        reads = clock.reads
+        callback.on_train_batch_start(t, module, batch, step)
+        callback.on_train_batch_end(t, module, None, batch, step)
+        assert clock.reads - reads == 2, "one read at the batch's start, one at its end"
+        assert (module.logged != {}) == (step == 3), f"logged at step {step}"
+    # the window: batches 1-2, started at read 1, closed at read 4 (3 ms); waited read 2 -> 3
+    assert module.logged["perf/steps_per_sec"] == pytest.approx(2 / 0.003)
+    assert module.logged["perf/samples_per_sec"] == pytest.approx(2 * 8 * 2 / 0.003)
+    assert module.logged["perf/data_wait_ms"] == pytest.approx(1.0)
+    assert "perf/memory_peak_gib" in module.logged and "perf/tokens_per_sec" not in module.logged
+
+
+@pytest.mark.parametrize(
+    ("batch", "sizes"),
+    [
+        ((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4)), (4, 64)),
+        ({"input_ids": torch.zeros(2, 5, dtype=torch.long), "mask": torch.ones(2, 5)}, (2, 10)),
+        ({"x": torch.zeros(3, 2)}, (3, 0)),
+        (torch.zeros(6, 2), (6, 0)),
+    ],
+)
+def test_rows_and_tokens_of_a_batch(batch, sizes):
+    assert _throughput.sizes_in(batch) == sizes
+
+
+def test_moe_metrics_do_nothing_per_step_on_a_model_without_experts(monkeypatch):
+    walks = []
+    monkeypatch.setattr(_moe, "moe_layers", lambda model: walks.append(model) or [])
+    callback, model = _moe.MoEMetrics(SimpleNamespace(per_expert=True)), nn.Linear(2, 2)
+    callback.setup(trainer(), model, "fit")
+    callback.on_train_start(trainer(), model)
+    walks.clear()
+    for step in range(5):
+        callback.on_before_optimizer_step(trainer(step=step, logs=True), model, None)
+    assert walks == []
+
+
+def test_the_lr_monitor_is_idle_without_a_logger():
+    # Lightning's own stops the run: "Cannot use LearningRateMonitor ... that has no logger"
+    no_logger = SimpleNamespace(loggers=[], lr_scheduler_configs=[], optimizers=[])
+    monitor = LRMonitor(logging_interval="step")
+    monitor.on_train_start(no_logger)
+    monitor.on_train_epoch_start(no_logger, None)
+    monitor.on_train_batch_start(no_logger, None, None, 0)
+    assert monitor.idle
