@@ -1,6 +1,8 @@
 """`callbacks.throughput`: speed, FLOP/s, MFU, memory and data wait of training, as metrics.
 
-Every `window` optimizer steps rank 0 logs, averaged over the window (validation excluded):
+Every `window` optimizer steps rank 0 works out these figures, averaged over the window
+(validation excluded), and logs them at the next step Lightning writes to the loggers
+(`trainer.log_every_n_steps`; Lightning writes only the newest value logged before then):
 
 | metric | meaning |
 |---|---|
