@@ -52,6 +52,7 @@ bench: install
 	$(BIN)/python -m benchmarks.memory
 	$(BIN)/python -m benchmarks.strategies
 	$(BIN)/python -m benchmarks.tensor
+	$(BIN)/python -m benchmarks.hf
 	$(BIN)/python -m benchmarks.pipeline
 	$(BIN)/python -m benchmarks.moe
 	$(BIN)/python -m benchmarks.checkpoint_stall
