@@ -211,14 +211,26 @@ def read_tensor(fh, base: int, entry: dict, key: str, target: torch.Tensor) -> i
     if math.prod(sizes) == 0:
         return 0
     dtype = DTYPES[entry["dtype"]]
-    data = read_slice(fh.fileno(), base + entry["data_offsets"][0], dtype, shape, starts, sizes)
-    local.copy_(data.view(local.shape))
+    # straight into the parameter's memory where it can take the bytes as they are
+    direct = local.device.type == "cpu" and local.dtype == dtype and local.is_contiguous()
+    data = read_slice(
+        fh.fileno(),
+        base + entry["data_offsets"][0],
+        dtype,
+        shape,
+        starts,
+        sizes,
+        out=local.view(-1).view(torch.uint8) if direct else None,
+    )
+    if not direct:
+        local.copy_(data.view(local.shape))
     return data.numel() * data.element_size()
 
 
-def read_slice(fd: int, offset: int, dtype, shape, starts, sizes) -> torch.Tensor:
+def read_slice(fd: int, offset: int, dtype, shape, starts, sizes, out=None) -> torch.Tensor:
     """The block starts[d]:starts[d]+sizes[d] of a C-ordered tensor stored at `offset`, read with
-    one positional read per contiguous run (a row of a column slice, or the whole block)."""
+    one positional read per contiguous run (a row of a column slice, or the whole block), into
+    `out` (bytes of the block's size) when given."""
     item = torch.empty((), dtype=dtype).element_size()
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     whole = len(shape)  # dims from `whole` on are taken entire: they lie in one run
@@ -226,7 +238,8 @@ def read_slice(fd: int, offset: int, dtype, shape, starts, sizes) -> torch.Tenso
         whole -= 1
     run_dim = max(whole - 1, 0)
     run = (sizes[run_dim] if shape else 1) * (strides[run_dim] if shape else 1)
-    out = torch.empty(math.prod(sizes) * item, dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(math.prod(sizes) * item, dtype=torch.uint8)
     buffer = memoryview(out.numpy())
     outer = [range(starts[d], starts[d] + sizes[d]) for d in range(run_dim)]
     for i, index in enumerate(itertools.product(*outer)):
