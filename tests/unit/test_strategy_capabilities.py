@@ -1,0 +1,56 @@
+"""The optional members of a strategy plugin (framework.plugins.StrategyCapabilities): a module
+without them gets the documented defaults, and the built-in plugins' answers are what `fw
+check`, `fw plan`, validation and a resume's messages show."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from framework.context import config_changes
+from framework.plugins import StrategyCapabilities, capability, load_plugin, typed_config
+from framework.world import World
+
+
+def test_a_plugin_without_capabilities_gets_the_defaults():
+    bare = types.ModuleType("bare")
+    cfg = types.SimpleNamespace(kind="my.bare")
+    world = World(4, 4, 1, "cuda")
+    assert capability(bare, "describe")(cfg, world) == "my.bare x 4"
+    assert capability(bare, "describe")(cfg, None) == "my.bare"
+    assert capability(bare, "mesh_dims")(cfg, world) is None
+    assert capability(bare, "saves_async")(cfg, world) is False
+    assert capability(bare, "data_traffic")(cfg, world, 10, 99) == 20
+    replica = object()
+    assert capability(bare, "model_states")(cfg, world, replica, "32-true") == (replica, None)
+    with pytest.raises(AttributeError):
+        capability(bare, "no_such_capability")
+    assert "describe" in vars(StrategyCapabilities)
+
+
+def test_the_builtin_answers():
+    world = World(8, 8, 1, "cuda")
+    zero = load_plugin("strategy", "deepspeed", "strategy.kind")
+    stage3 = typed_config(zero, {"kind": "deepspeed", "stage": 3})
+    assert capability(zero, "describe")(stage3, world) == "zero3 x 8"
+    assert capability(zero, "data_traffic")(stage3, world, 10, 80) == 3 * 10 * 8
+    stage1 = typed_config(zero, {"kind": "deepspeed", "stage": 1})
+    assert capability(zero, "data_traffic")(stage1, world, 10, 80) == 2 * 80
+    assert not capability(zero, "saves_async")(stage1, world)
+    mesh = load_plugin("strategy", "parallel", "strategy.kind")
+    layout = typed_config(mesh, {"kind": "parallel", "pp": 2, "fsdp": -1, "tp": 2})
+    dims = capability(mesh, "mesh_dims")(layout, world)
+    assert (dims.pp, dims.fsdp, dims.tp) == (2, 2, 2)
+    assert capability(mesh, "describe")(layout, world) == "pp=2 x fsdp=2 x tp=2"
+    assert capability(mesh, "saves_async")(layout, world)
+
+
+def test_a_resume_into_another_strategy_names_both_as_their_plugins_describe_them():
+    zero2 = {"strategy": {"kind": "deepspeed", "stage": 2}, "seed": 1}
+    fsdp_tp = {"strategy": {"kind": "parallel", "fsdp": -1, "tp": 2}, "seed": 1}
+    gone = {"strategy": {"kind": "not_installed.plugin"}, "seed": 1}
+    assert config_changes(zero2, fsdp_tp)[1] == ["strategy: zero2 -> parallel(fsdp=-1, tp=2)"]
+    assert config_changes(fsdp_tp, gone)[1] == [
+        "strategy: parallel(fsdp=-1, tp=2) -> not_installed.plugin"
+    ]
