@@ -220,7 +220,10 @@ def test_a_checkpoint_naming_a_class_that_is_no_task_is_not_built(runs, tmp_path
     shutil.copytree(runs["tensor"], run, symlinks=True)
     meta_path = run / "checkpoints" / "step00000003" / "meta.json"
     meta = json.loads(meta_path.read_text())
-    meta["config"]["task"] = {"_target_": "subprocess.Popen", "model": {"args": ["touch", "x"]}}
+    meta["config"]["task"] = {
+        "_target_": "subprocess.Popen",
+        "model": {"args": ["touch", str(tmp_path / "x")]},
+    }
     meta_path.write_text(json.dumps(meta))
     err = refused_export([str(run), str(tmp_path / "hf"), "--format", "hf"], tmp_path, capsys)
     assert "task._target_=subprocess.Popen" in err and "not a LightningModule" in err
