@@ -1,6 +1,7 @@
 """Pretrained transformers weights into a split model: a tiny Llama written by the test in
-several safetensors files (with an index) trains under fsdp=2 and tensor=2 from exactly the
-weights `from_pretrained` gives one process, and each rank reads only the slices it holds."""
+several safetensors files (with an index) trains under fsdp=2, tensor=2 and pipeline=2 from
+exactly the weights `from_pretrained` gives one process, each rank reading only the slices it
+holds; a resumed run continues from its checkpoint, not from the pretrained weights."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def pretrained(tmp_path_factory):
     return {"model": model, "corpus": root / "corpus.txt", "loss": reference_loss(model, window)}
 
 
+ONE_STEP = ["trainer.max_steps=1", "callbacks=none"]
+
+
 def train(pretrained, cwd, *args: str):
     result = fw(
         "train",
@@ -36,18 +40,16 @@ def train(pretrained, cwd, *args: str):
         f"task.data.block_size={BLOCK}",
         "task.data.batch_size=4",
         "task.scheduler.warmup_steps=0",
-        "trainer.max_steps=1",
         "trainer.log_every_n_steps=1",
         "trainer.limit_val_batches=0",
         "logger=[csv]",
-        "callbacks=none",
         *QUIET,
         *args,
         "run.dir=run",
         cwd=cwd,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return cwd / "run"
+    return cwd / "run", result.stderr
 
 
 def reports(run, ranks: int) -> list[dict]:
@@ -75,11 +77,11 @@ def weight_bytes(directory, files) -> int:
 
 @pytest.mark.parametrize(
     "layout",
-    [["strategy=fsdp"], ["strategy=tensor"]],
-    ids=["fsdp2", "tensor2"],
+    [["strategy=fsdp"], ["strategy=tensor"], ["strategy=pipeline"]],
+    ids=["fsdp2", "tensor2", "pipeline2"],
 )
 def test_pretrained_weights_load_into_a_split_model(pretrained, tmp_path, layout):
-    run = train(pretrained, tmp_path, *layout, "trainer.devices=2")
+    run, _ = train(pretrained, tmp_path, *layout, *ONE_STEP, "trainer.devices=2")
     got = losses(run)
     assert sorted(got) == [0]
     assert abs(got[0] - pretrained["loss"]) <= 1e-5, (got[0], pretrained["loss"])
@@ -97,7 +99,20 @@ def test_pretrained_weights_load_into_a_split_model(pretrained, tmp_path, layout
 
 
 def test_one_process_loads_whole(pretrained, tmp_path):
-    run = train(pretrained, tmp_path, "trainer.devices=1")
+    run, _ = train(pretrained, tmp_path, *ONE_STEP, "trainer.devices=1")
     assert abs(losses(run)[0] - pretrained["loss"]) <= 1e-5
     (report,) = reports(run, 1)
     assert report["bytes_read"] == model_bytes(pretrained["model"])
+
+
+def test_a_resumed_run_continues_from_its_checkpoint(pretrained, tmp_path):
+    """The pretrained weights are read before the checkpoint is restored over them: the resumed
+    run's first step starts from the trained weights (read again, they would give step 0's loss)."""
+    legs = ["strategy=fsdp", "trainer.devices=2", "callbacks.checkpoint.every_n_steps=2"]
+    train(pretrained, tmp_path, *legs, "trainer.max_steps=2")
+    run, log = train(pretrained, tmp_path, *legs, "trainer.max_steps=4")
+    assert "Resuming from" in log
+    got = losses(run)
+    assert sorted(got) == [0, 1, 2, 3]
+    assert abs(got[0] - pretrained["loss"]) <= 1e-5
+    assert got[3] < got[2] < got[1] < got[0] - 1e-3, got
