@@ -1,8 +1,8 @@
 """transformers causal LMs held by a plain LightningModule (no loss, no pipeline code of its own)
 under strategies test_hf.py does not cover: pipeline stages cut from the model's pp_plan (1f1b,
-interleaved, pp x fsdp) with the framework's causal-LM loss, Qwen2 under tensor, Llama under
-zero3 and ddp; each equals one process within 1e-5 for 10 steps. A cut into more stages than
-the model has layers is refused before launch, naming its decoder-layer count."""
+interleaved, pp x fsdp, pp x tp) with the framework's causal-LM loss, Qwen2 under tensor, Llama
+under zero3 and ddp; each equals one process within 1e-5 for 10 steps. A cut into more stages
+than the model has layers is refused before launch, naming its decoder-layer count."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ FAMILIES = {"llama": "tests.hf_tasks.PlainLlama", "qwen2": "tests.hf_tasks.Plain
 PLAIN = [a for a in test_hf.PLAIN if not a.startswith("task._target_=")]
 PIPELINE = ["strategy=pipeline", "strategy.microbatches=2"]
 INTERLEAVED = [*PIPELINE, "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2"]
+# sequences per data rank: 8 a step in all (tp and pp ranks share their data rank's batch)
+B8, B4 = "task.data.batch_size=8", "task.data.batch_size=4"
 SHARDS = ["+callbacks.shards._target_=tests.tasks.ShardCounter", "+callbacks.shards.out=OUT"]
 
 
@@ -38,7 +40,7 @@ def one_process(tmp_path_factory):
     def reference(family: str) -> dict[int, float]:
         if family not in made:
             root = tmp_path_factory.mktemp(f"hf_{family}")
-            train(family, "task.data.batch_size=8", cwd=root)
+            train(family, B8, cwd=root)
             made[family] = losses(root / "run")
         return made[family]
 
@@ -48,17 +50,21 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize(
     ("family", "args"),
     [
-        ("llama", [*PIPELINE, "strategy.schedule=1f1b", "task.data.batch_size=8"]),
-        ("qwen2", [*PIPELINE, "strategy.schedule=1f1b", "task.data.batch_size=8"]),
-        ("llama", [*INTERLEAVED, "task.data.batch_size=8"]),
-        ("qwen2", [*INTERLEAVED, "strategy.balance=time", "task.data.batch_size=8"]),
+        ("llama", [*PIPELINE, "strategy.schedule=1f1b", B8]),
+        ("qwen2", [*PIPELINE, "strategy.schedule=1f1b", B8]),
+        ("llama", [*INTERLEAVED, B8]),
+        ("qwen2", [*INTERLEAVED, "strategy.balance=time", B8]),
         (
             "llama",
-            [*PIPELINE, "strategy.pp=2", "strategy.fsdp=2", "trainer.devices=4", *SHARDS],
+            [*PIPELINE, "strategy.pp=2", "strategy.fsdp=2", "trainer.devices=4", *SHARDS, B4],
         ),
-        ("qwen2", ["strategy=tensor", "task.data.batch_size=8", *SHARDS]),
-        ("llama", ["strategy=zero3", "task.data.batch_size=4"]),
-        ("llama", ["strategy=ddp", "task.data.batch_size=4"]),
+        ("qwen2", ["strategy=tensor", B8, *SHARDS]),
+        (
+            "llama",
+            [*PIPELINE, "strategy.pp=2", "strategy.tp=2", "trainer.devices=4", *SHARDS, B8],
+        ),
+        ("llama", ["strategy=zero3", B4]),
+        ("llama", ["strategy=ddp", B4]),
     ],
     ids=[
         "llama-pp2-1f1b",
@@ -67,6 +73,7 @@ def one_process(tmp_path_factory):
         "qwen2-pp2-interleaved-time",
         "llama-pp2xfsdp2",
         "qwen2-tp2",
+        "llama-pp2xtp2",
         "llama-zero3",
         "llama-ddp",
     ],
@@ -75,8 +82,6 @@ def test_plain_task_reproduces_one_process(family, args, one_process, tmp_path):
     args = [a.replace("OUT", str(tmp_path)) for a in args]
     if "trainer.devices=4" not in args:
         args.append("trainer.devices=2")
-    if "strategy.fsdp=2" in args:
-        args.append("task.data.batch_size=4")  # two data ranks: 8 sequences a step in all
     log = train(family, *args, cwd=tmp_path)
     got, want = losses(tmp_path / "run"), one_process(family)
     assert sorted(got) == sorted(want) and len(got) == 10
@@ -87,7 +92,8 @@ def test_plain_task_reproduces_one_process(family, args, one_process, tmp_path):
         ranks = 4 if "trainer.devices=4" in args else 2
         for rank in range(ranks):
             counts = json.loads((tmp_path / f"shards-rank{rank}.json").read_text())
-            # tp: all but the norms split; pp x fsdp: half of each stage's weights
+            # tp: all but the norms split; pp x fsdp: half of each stage's weights ("full"
+            # counts the stage's own)
             assert counts["params"] <= 0.55 * counts["full"], counts
 
 
