@@ -94,3 +94,24 @@ def test_a_padding_mask_is_refused_and_a_task_loss_wins():
     own = Own()
     own.lm = task.lm
     assert pipeline.objective(own).loss == own.loss
+
+
+def test_a_task_module_holding_the_model_deeper_gets_its_chain_and_loss():
+    from framework.task import TaskModule
+
+    class Holder(TaskModule):
+        def __init__(self, lm):
+            super().__init__()
+            self.body = torch.nn.ModuleDict({"lm": lm})
+
+    lm = tiny("Llama").lm
+    task = Holder(lm)
+    chain = pipeline.layers(task)
+    assert chain[0].name == "body.lm.model.embed_tokens"
+    assert chain[-1].modules == ("body.lm.model.norm", "body.lm.lm_head")
+    x = torch.randint(0, 64, (2, 8))
+    objective = pipeline.objective(task)  # TaskModule's default loss raises: the model's is used
+    assert objective.split(x) == (x, x)
+    objective.begin(x, 1)
+    want = lm(input_ids=x, labels=x).loss
+    assert abs((objective.loss(run(chain, x), x) - want).item()) <= 1e-6
