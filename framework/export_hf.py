@@ -94,8 +94,8 @@ def transformers_model(task_cfg: Any) -> tuple[str, Any]:
     from hydra.utils import get_class
     from lightning.pytorch import LightningModule
 
+    from framework.instantiate import build_task
     from framework.nn.hf import models
-    from framework.worker import build_task
 
     try:
         import transformers  # noqa: F401  (framework.nn.hf finds models only once imported)

@@ -156,6 +156,27 @@ def test_tied_weights_are_written_once(tmp_path):
         assert (got - trained(tokens()).logits).abs().max() <= 1e-5
 
 
+def test_the_pretrained_directorys_tokenizer_files_are_copied(tmp_path):
+    """A task whose model came from `task.model.pretrained=DIR` gets DIR's tokenizer files."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from framework.export_hf import save, tokenizer_dir
+    from tests.hf_pretrained import write_llama, write_word_tokenizer
+
+    pretrained = write_llama(tmp_path / "pretrained")
+    write_word_tokenizer(pretrained, ["the", "model", "came", "from", "here"])
+    (pretrained / "notes.txt").write_text("not a tokenizer file")
+    task_cfg = OmegaConf.create({"_target_": "x", "model": {"pretrained": str(pretrained)}})
+    out = tmp_path / "out"
+    out.mkdir()
+    save(AutoModelForCausalLM.from_pretrained(pretrained), out, 2**30, tokenizer_dir(task_cfg))
+    assert (out / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
+    assert not (out / "notes.txt").exists()
+    ids = AutoTokenizer.from_pretrained(out)("model came here").input_ids
+    assert ids == [4, 1, 3], ids  # the word-level vocabulary, sorted, after [UNK]
+
+
 def test_a_killed_export_leaves_nothing_at_out_and_the_next_one_cleans_up(runs, workdir):
     marker = workdir / "written"
     env = {**fw_env(), HOLD: str(marker)}
