@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,13 +59,18 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): node}
 
 
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(breaking, harmless) differences between a checkpoint's config and the current one."""
+def config_changes(
+    old: dict[str, Any], new: dict[str, Any], describe: Callable[[dict], str] | None = None
+) -> tuple[list[str], list[str]]:
+    """(breaking, harmless) differences between a checkpoint's config and the current one.
+    `describe` names a config's strategy (framework.plugins.describe_strategy; default: its
+    kind) in the one line that says the strategy changed."""
     a, b = flatten(old), flatten(new)
     breaking, harmless = [], []
     if a.get("strategy.kind") != b.get("strategy.kind"):
         # Another strategy plugin: its settings differ wholesale; name the move once.
-        harmless.append(f"strategy: {describe_strategy(old)} -> {describe_strategy(new)}")
+        name = describe or (lambda c: str((c.get("strategy") or {}).get("kind", "<absent>")))
+        harmless.append(f"strategy: {name(old)} -> {name(new)}")
         a = {k: v for k, v in a.items() if not k.startswith("strategy.")}
         b = {k: v for k, v in b.items() if not k.startswith("strategy.")}
     for key in sorted(set(a) | set(b)):
@@ -73,21 +79,6 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
         line = f"{key}: {a.get(key, '<absent>')} -> {b.get(key, '<absent>')}"
         (breaking if key.startswith(BREAKING) or key in BREAKING else harmless).append(line)
     return breaking, harmless
-
-
-def describe_strategy(config: dict[str, Any]) -> str:
-    """A config's strategy as its plugin describes the setting (`zero2`), or its kind when the
-    plugin cannot read it (a checkpoint of a plugin no longer installed, or of older fields)."""
-    from framework.errors import ConfigError
-    from framework.plugins import capability, load_plugin, typed_config
-
-    strategy = config.get("strategy") or {}
-    kind = strategy.get("kind", "<absent>")
-    try:
-        plugin = load_plugin("strategy", str(kind), "strategy.kind")
-        return capability(plugin, "describe")(typed_config(plugin, strategy, "strategy"), None)
-    except (ConfigError, ImportError):
-        return str(kind)
 
 
 def load_run_state(run_dir: Path) -> dict[str, Any]:

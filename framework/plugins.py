@@ -144,6 +144,18 @@ def capability(module: ModuleType, name: str) -> Callable[..., Any]:
     return getattr(module, name, default)
 
 
+def describe_strategy(config: dict[str, Any]) -> str:
+    """A job config's strategy as its plugin describes the setting (`zero2`), or its kind when
+    the plugin cannot read it (a checkpoint of a plugin no longer installed, or of old fields)."""
+    strategy = config.get("strategy") or {}
+    kind = str(strategy.get("kind", "<absent>"))
+    try:
+        plugin = load_plugin("strategy", kind, "strategy.kind")
+        return capability(plugin, "describe")(typed_config(plugin, strategy, "strategy"), None)
+    except (ConfigError, ImportError):
+        return kind
+
+
 class CheckpointUploader(Protocol):
     """Optional methods of the lightning Logger a logger plugin's `build` returns: a logger that
     has them is handed each committed checkpoint (W&B's `log_model`). Called on rank 0 by the

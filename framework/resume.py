@@ -10,6 +10,7 @@ from typing import Any
 from framework import checkpointing
 from framework.context import config_changes
 from framework.errors import ConfigError
+from framework.plugins import describe_strategy
 
 log = logging.getLogger("framework.resume")
 
@@ -120,7 +121,7 @@ def check_layout(
 def check_compatible(ckpt: Path, config: dict[str, Any]) -> None:
     """Refuse a checkpoint whose model/optimizer config differs; list harmless changes."""
     saved = checkpointing.read_meta(ckpt).get("config", {})
-    breaking, harmless = config_changes(saved, config)
+    breaking, harmless = config_changes(saved, config, describe_strategy)
     if breaking:
         raise ConfigError(
             "resume",

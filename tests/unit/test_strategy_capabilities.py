@@ -9,7 +9,13 @@ import types
 import pytest
 
 from framework.context import config_changes
-from framework.plugins import StrategyCapabilities, capability, load_plugin, typed_config
+from framework.plugins import (
+    StrategyCapabilities,
+    capability,
+    describe_strategy,
+    load_plugin,
+    typed_config,
+)
 from framework.world import World
 
 
@@ -50,7 +56,8 @@ def test_a_resume_into_another_strategy_names_both_as_their_plugins_describe_the
     zero2 = {"strategy": {"kind": "deepspeed", "stage": 2}, "seed": 1}
     fsdp_tp = {"strategy": {"kind": "parallel", "fsdp": -1, "tp": 2}, "seed": 1}
     gone = {"strategy": {"kind": "not_installed.plugin"}, "seed": 1}
-    assert config_changes(zero2, fsdp_tp)[1] == ["strategy: zero2 -> parallel(fsdp=-1, tp=2)"]
-    assert config_changes(fsdp_tp, gone)[1] == [
+    changes = config_changes(zero2, fsdp_tp, describe_strategy)[1]
+    assert changes == ["strategy: zero2 -> parallel(fsdp=-1, tp=2)"]
+    assert config_changes(fsdp_tp, gone, describe_strategy)[1] == [
         "strategy: parallel(fsdp=-1, tp=2) -> not_installed.plugin"
     ]
