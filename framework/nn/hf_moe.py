@@ -86,7 +86,8 @@ class TransformersMoE(ExpertDispatch):
         self.router_name = router_name
         for name, child in block.named_children():  # in the block's order: the state dict's
             self.add_module(name, experts if name == "experts" else child)
-        self.router = LoadCounter(experts.num_experts)
+        # its counts made like the weights: the swap may run inside fw check's fake tensors
+        self.router = LoadCounter(experts.num_experts, like=experts.gate_up_proj)
         self.wrapped = type(block).__name__  # for messages and repr
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

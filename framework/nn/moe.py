@@ -46,11 +46,15 @@ class LoadCounter(nn.Module):
     aux_loss_coeff = 0.0
     z_loss_coeff = 0.0
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, like: torch.Tensor | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
-        # tokens routed to each expert since the last optimizer step (this rank's tokens)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        # tokens routed to each expert since the last optimizer step (this rank's tokens); made
+        # as `like` is (a fake tensor in fw check's simulation) unless that is on meta
+        zeros = like.new_zeros(num_experts, dtype=torch.float32) if like is not None else None
+        if zeros is None or zeros.is_meta:
+            zeros = torch.zeros(num_experts)
+        self.register_buffer("tokens_per_expert", zeros, persistent=False)
         self.aux_loss = torch.zeros(())
         self.stats: dict[str, torch.Tensor] = {}
         self.counting = True  # off while a pipeline infers shapes with a trial forward

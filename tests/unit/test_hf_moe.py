@@ -137,3 +137,17 @@ def test_a_block_the_framework_cannot_apply_is_refused_before_launch(tmp_path, m
     args = [*PLAIN, "+task.model.family=mixtral", "+task.model.jitter=0.01"]
     err = refused(args, tmp_path, monkeypatch, capsys)
     assert "lm.model.layers.0.mlp (MixtralSparseMoeBlock)" in err and "jitter" in err, err
+
+
+def test_fw_check_simulates_the_swapped_layers(tmp_path, monkeypatch, capsys):
+    """fw check runs the same swap inside its fake tensors: the counts the swap adds are fake
+    too (a real one failed FSDP's move to the simulated device: exit 2, 'rank 0 would fail')."""
+    from framework.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    plain = [a for a in PLAIN if not a.startswith(("strategy=", "trainer.devices="))]
+    args = [*plain, "+task.model.family=mixtral", "task.data.batch_size=2"]
+    code = main(["check", *args, "strategy=fsdp", "strategy.ep=2", "trainer.devices=4"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "fsdp=4 x ep=2, 4 processes" in out, out
