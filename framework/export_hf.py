@@ -6,8 +6,9 @@ model's path in the task (e.g. `lm.`) and its config, with no weights allocated.
 weights (the prefix stripped) are assigned to that meta model, its ties are made as its config
 says, and transformers' own `save_pretrained` writes config.json, generation_config.json and
 safetensors shards (an index past `--max-shard-size`), so tied weights are written once and the
-layout is the one `from_pretrained` expects. The tokenizer files of the pretrained directory the
-task named (`task.model.pretrained`) are copied beside them.
+layout is the one `from_pretrained` expects. The tokenizer the task trained with is copied beside
+them: the one `task.data.encoder` names (the hf_lm recipe: a directory or a tokenizer.json), else
+the tokenizer files of the pretrained directory the model came from (`task.model.pretrained`).
 
 The directory is atomic: written under a hidden temporary sibling (`.OUT.<pid>.<random>.tmp`),
 fsynced, then renamed to OUT. A killed export leaves only that hidden directory, never OUT; the
@@ -131,13 +132,15 @@ def transformers_model(task_cfg: Any) -> tuple[str, Any]:
 
 
 def tokenizer_dir(task_cfg: Any) -> Path | None:
-    """The pretrained directory the task's model came from (`task.model.pretrained`), if any."""
-    model_cfg = task_cfg.get("model") or {}
-    pretrained = model_cfg.get("pretrained") if hasattr(model_cfg, "get") else None
-    if not pretrained:
-        return None
-    path = Path(str(pretrained)).expanduser()
-    return path if path.is_dir() else None
+    """Where the task's tokenizer is: `task.data.encoder` when it names a directory or a file
+    (a tokenizer.json), else the pretrained directory of the model (`task.model.pretrained`)."""
+    for section, key in (("data", "encoder"), ("model", "pretrained")):
+        node = task_cfg.get(section)
+        value = node.get(key) if hasattr(node, "get") else None
+        path = Path(str(value)).expanduser() if value else None
+        if path is not None and path.exists():
+            return path
+    return None
 
 
 def model_weights(state: dict, path: str) -> dict:
@@ -163,7 +166,8 @@ def assign(model: Any, weights: dict, path: str) -> None:
 
 
 def save(model: Any, tmp: Path, limit: int, tokenizer: Path | None) -> None:
-    """save_pretrained into `tmp`, then the tokenizer files of the pretrained directory."""
+    """save_pretrained into `tmp`, then the tokenizer: a tokenizer.json file, or the tokenizer
+    files of a directory."""
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
@@ -173,7 +177,9 @@ def save(model: Any, tmp: Path, limit: int, tokenizer: Path | None) -> None:
     finally:
         if bar:
             hf_logging.enable_progress_bar()
-    for name in TOKENIZER_FILES if tokenizer else ():
+    if tokenizer is not None and tokenizer.is_file():
+        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+    for name in TOKENIZER_FILES if tokenizer is not None and tokenizer.is_dir() else ():
         if (tokenizer / name).is_file():
             shutil.copyfile(tokenizer / name, tmp / name)
 
