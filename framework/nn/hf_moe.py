@@ -180,9 +180,40 @@ def swap_sparse_blocks(task: nn.Module, ep: int) -> list[TransformersMoE]:
     for found in sparse_blocks(task, ep):
         parent_name, _, attr = found.path.rpartition(".")
         layer = TransformersMoE(found.block, found.router_name)
+        check_same_function(found, layer)
         setattr(task.get_submodule(parent_name), attr, layer)
         swapped.append(layer)
     return swapped
+
+
+@torch.no_grad()
+def check_same_function(found: SparseBlock, layer: TransformersMoE) -> None:
+    """The swapped layer's output equals the block's own on a few random tokens (the block's
+    forward may do what its structure does not show, e.g. scale its output); nothing to run
+    while the weights have no values (meta, or fw check's fake tensors). No RNG state is used."""
+    weight = layer.experts.gate_up_proj
+    if weight.is_meta or type(weight).__name__ == "FakeTensor":
+        return
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 8, weight.shape[-1], generator=generator).to(weight.device, weight.dtype)
+    modes = [(m, m.training) for m in (found.block, layer)]
+    found.block.eval(), layer.eval()  # the same modules inside; no counting, no jitter
+    try:
+        want, got = found.block(x), layer(x)
+    finally:
+        for module, training in modes:
+            module.train(training)
+    want = want[0] if isinstance(want, tuple) else want
+    if (got - want).abs().max() > 1e-3 * want.abs().max() + 1e-6:
+        raise ConfigError(
+            "strategy.ep",
+            found.path,
+            f"the transformers MoE block {found.path} ({layer.wrapped}) computes something "
+            "else than its router and packed experts (checked on random tokens), which the "
+            "framework's expert parallel would not reproduce",
+            [1],
+            hint="Use ep=1 for this model.",
+        )
 
 
 def _join(path: str, name: str) -> str:

@@ -151,3 +151,19 @@ def test_fw_check_simulates_the_swapped_layers(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "fsdp=4 x ep=2, 4 processes" in out, out
+
+
+def test_a_block_computing_more_than_its_structure_shows_is_not_swapped(monkeypatch):
+    """The swap checks the layer against the block's own forward on random tokens: a block
+    that, say, scales its output is refused rather than trained as another function."""
+    model = transformers.MixtralForCausalLM(mixtral_config())
+    block = type(model.model.layers[0].mlp)
+    forward = block.forward
+    monkeypatch.setattr(block, "forward", lambda self, hidden: 2 * forward(self, hidden))
+    state = torch.random.get_rng_state()
+    with pytest.raises(ConfigError, match="model.layers.0.mlp .* computes something else"):
+        swap_sparse_blocks(Holder(model), ep=2)
+    monkeypatch.setattr(block, "forward", forward)
+    assert len(swap_sparse_blocks(Holder(model), ep=2)) == 2
+    assert torch.equal(torch.random.get_rng_state(), state), "no random state drawn"
+    assert model.training and model.model.layers[0].mlp.gate.training, "modes restored"
