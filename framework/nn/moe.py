@@ -14,6 +14,9 @@ the same for any degree, so are the losses (dropless routing, fp32 scores).
   `torch.nn.functional.grouped_mm` where dtype and strides allow it, else expert by expert.
 - `MoE`: router + experts (+ optional shared experts), dropless by default, or with a capacity
   per expert (`capacity_factor`) beyond which tokens are dropped (they pass through as zeros).
+- `ExpertDispatch` (what every MoE layer shares: the sort by expert, the all-to-all, the
+  combine) and `LoadCounter` (what balancing and the metrics read of a router): also the base of
+  transformers' sparse MoE blocks as swapped by framework.nn.hf_moe.
 """
 
 from __future__ import annotations
