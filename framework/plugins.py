@@ -25,7 +25,7 @@ import importlib
 import pkgutil
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from framework.errors import ConfigError
 
@@ -156,6 +156,7 @@ def describe_strategy(config: dict[str, Any]) -> str:
         return kind
 
 
+@runtime_checkable
 class CheckpointUploader(Protocol):
     """Optional methods of the lightning Logger a logger plugin's `build` returns: a logger that
     has them is handed each committed checkpoint (W&B's `log_model`). Called on rank 0 by the
@@ -173,6 +174,7 @@ class CheckpointUploader(Protocol):
         """Log the uploads whose copies are done (called at every step boundary)."""
 
 
+@runtime_checkable
 class SeparateWriter(Protocol):
     """An optional method of a lightning Logger whose records are written by another process
     (W&B's service). Called on rank 0 by the checkpoint callback, after `Logger.save()`."""
@@ -182,6 +184,7 @@ class SeparateWriter(Protocol):
         a checkpoint of that step is committed: a resume never lacks a row before it)."""
 
 
+@runtime_checkable
 class DataModuleHooks(Protocol):
     """Optional methods of the user's LightningDataModule that the framework calls."""
 

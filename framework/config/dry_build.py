@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from framework.errors import ConfigError
+from framework.plugins import DataModuleHooks
 
 NOT_ATTACHED = "is not attached to a `Trainer`"
 
@@ -45,10 +46,8 @@ def dry_build(task_cfg: DictConfig) -> tuple[Any, Any]:
         data = instantiate_args(task_cfg.data)
     except Exception as err:
         raise blame("task.data", data_args, err, task_cfg.data._target_) from None
-    # an optional hook (framework.plugins.DataModuleHooks): e.g. a prepared dataset not there
-    ready = getattr(data, "check_ready", None)
-    if callable(ready):
-        ready("task.data")
+    if isinstance(data, DataModuleHooks):  # e.g. a prepared dataset that is not there
+        data.check_ready("task.data")
     if isinstance(task, TaskModule):
         opt_args = {k: v for k, v in plain(task_cfg.optimizer).items() if k != "_target_"}
         try:
