@@ -10,8 +10,11 @@ from pathlib import Path
 BLOCK = 32  # task.data.block_size of the runs that use `periodic_corpus`
 
 
-def write_llama(directory: Path, vocab: int = 300, max_shard_size: str = "60KB") -> Path:
-    """A random-init tiny Llama (seed 0, untied head) saved in shards of `max_shard_size`."""
+def write_llama(
+    directory: Path, vocab: int = 300, max_shard_size: str = "60KB", tied: bool = False
+) -> Path:
+    """A random-init tiny Llama (seed 0; its head tied to the embedding when `tied`, then saved
+    once, under the embedding's name) in safetensors files of at most `max_shard_size`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -24,6 +27,7 @@ def write_llama(directory: Path, vocab: int = 300, max_shard_size: str = "60KB")
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).save_pretrained(directory, max_shard_size=max_shard_size)
     return directory

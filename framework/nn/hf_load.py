@@ -134,9 +134,16 @@ def load_pretrained(
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
-    """Uninitialized storage on `device` for every meta tensor of `module` (through `_apply`,
-    so FSDP2 re-registers its shards); other tensors are left as they are."""
-    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    """Uninitialized storage on `device` for every meta tensor of `module`; other tensors are
+    left as they are. Through `_apply` (FSDP2 then re-registers its shards), swapping each
+    parameter's contents in place: a weight tied to another (an LM head to its embedding) is
+    one object in both modules and stays so (a new Parameter per module would untie them)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 @torch.no_grad()
