@@ -294,6 +294,8 @@ def typed_config(module: ModuleType, node: Any, key: str = "") -> Any:
 
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         return node
+    if isinstance(node, dict):  # a checkpoint's saved config
+        node = OmegaConf.create(node)
     try:
         typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(module.Config), node))
     except OmegaConfBaseException as err:

@@ -58,6 +58,8 @@ def test_a_resume_into_another_strategy_names_both_as_their_plugins_describe_the
     gone = {"strategy": {"kind": "not_installed.plugin"}, "seed": 1}
     changes = config_changes(zero2, fsdp_tp, describe_strategy)[1]
     assert changes == ["strategy: zero2 -> parallel(fsdp=-1, tp=2)"]
+    old_fields = {"strategy": {"kind": "deepspeed", "stage": 3, "field_since_removed": 1}}
+    assert describe_strategy(old_fields) == "deepspeed"
     assert config_changes(fsdp_tp, gone, describe_strategy)[1] == [
         "strategy: parallel(fsdp=-1, tp=2) -> not_installed.plugin"
     ]
