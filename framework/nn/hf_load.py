@@ -78,6 +78,27 @@ def check_directory(key: str, value: str | None) -> None:
         )
 
 
+def check_readable(key: str, value: str) -> None:
+    """The directory's weights are stored under the model's own parameter names: a family whose
+    checkpoints transformers converts while loading (per-expert weights fused into one tensor,
+    as Mixtral's and Qwen-MoE's) is refused here rather than failing in every worker."""
+    model_type = json.loads((Path(value).expanduser() / "config.json").read_text()).get(
+        "model_type"
+    )
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    if model_type and get_checkpoint_conversion_mapping(model_type):
+        raise ConfigError(
+            key,
+            value,
+            f"holds a '{model_type}' checkpoint, whose weights transformers converts while "
+            "loading (e.g. experts fused into one tensor); reading them slice by slice is not "
+            "supported yet",
+            hint="Start such a family from a random init (task.model.arch, task.model.config), "
+            "or use a dense family (llama, qwen2, gpt2, ...).",
+        )
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device, their buffers (e.g. rotary

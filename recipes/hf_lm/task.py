@@ -67,6 +67,8 @@ class HFCausalLM(TaskModule):
     def validate_config(prefix: str, args: dict) -> None:
         offline()
         hf_load.check_directory(f"{prefix}.pretrained", args.get("pretrained"))
+        if args.get("pretrained") is not None:
+            hf_load.check_readable(f"{prefix}.pretrained", args["pretrained"])
         arch = args.get("arch", "llama")
         if args.get("pretrained") is None and arch not in ARCHS:
             raise ConfigError(f"{prefix}.arch", arch, "is not a supported family", list(ARCHS))

@@ -81,3 +81,25 @@ def test_a_directory_without_weights_is_refused(tmp_path, monkeypatch, capsys):
     err = refused(["task=hf_lm", f"task.model.pretrained={model}"], tmp_path, monkeypatch, capsys)
     assert f"task.model.pretrained={model}: holds no *.safetensors weights" in err
     assert "no network: give a local directory" in err
+
+
+def test_a_checkpoint_converted_while_loading_is_refused(tmp_path, monkeypatch, capsys):
+    """Mixtral's files hold one weight per expert, its model one fused tensor: refused before
+    launch, not a failure in every worker."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+    )
+    model = tmp_path / "mixtral"
+    MixtralForCausalLM(config).save_pretrained(model)
+    capsys.readouterr()  # transformers' progress bar
+    args = ["task=hf_lm", f"task.model.pretrained={model}", "task.data.encoder=bytes"]
+    err = refused(args, tmp_path, monkeypatch, capsys)
+    assert f"task.model.pretrained={model}: holds a 'mixtral' checkpoint" in err
