@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from framework.data.prepared import is_prepared
 from framework.errors import ConfigError
 from recipes.gpt.data import ByteBlocks, TextDataModule, stdlib_corpus
 
@@ -99,6 +100,17 @@ class HFTextDataModule(TextDataModule):
                 "holds no tokenizer.json (read with the tokenizers library; nothing is downloaded)",
                 hint=f"Give a directory with tokenizer.json, the file itself, or "
                 f"{prefix}.encoder=bytes for a byte-level vocabulary.",
+            )
+
+    def check_ready(self, prefix: str = "task.data") -> None:
+        """Training on `prepared` needs it prepared (`fw train` calls this before launch)."""
+        if self.prepared is not None and not is_prepared(Path(self.prepared)):
+            raise ConfigError(
+                f"{prefix}.prepared",
+                self.prepared,
+                "is not a prepared dataset (or its preparation did not finish)",
+                hint=f"Run: fw prepare task=hf_lm {prefix}.prepared={self.prepared} "
+                f"{prefix}.encoder={self.encoder_name} [{prefix}.source=DIR]",
             )
 
     def prepare(self, workers: int, engine: str = "local") -> bool:
