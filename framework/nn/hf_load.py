@@ -102,7 +102,14 @@ def check_readable(key: str, value: str) -> None:
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device, their buffers (e.g. rotary
-    frequencies, which no checkpoint holds) as usual."""
+    frequencies, which no checkpoint holds) as usual. Under a fake tensor mode (`fw check`'s
+    simulated ranks) nothing changes: fake tensors hold no memory, and the simulation runs the
+    step on them as they are."""
+    from torch._guards import detect_fake_mode
+
+    if detect_fake_mode() is not None:
+        yield
+        return
     register = nn.Module.register_parameter
 
     def on_meta(module, name, param):
