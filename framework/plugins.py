@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
     from framework.context import RunContext
     from framework.parallel.dims import ParallelDims
-    from framework.preflight.simulate import RankMemory
     from framework.strategy_base import StrategyInputs
     from framework.world import World
 
@@ -111,11 +110,11 @@ class StrategyCapabilities(Protocol):
 
     @staticmethod
     def model_states(
-        cfg: Any, world: World, replica: RankMemory, precision: str
-    ) -> tuple[RankMemory, str | None]:
-        """A rank's memory from the figures of one whole replica (`fw check`, for a strategy
-        whose `mesh_dims` is None), and a note on how it was estimated. Default: the replica as
-        it is (data parallel with replicated model states), no note."""
+        cfg: Any, world: World, replica: Any, precision: str
+    ) -> tuple[Any, str | None]:
+        """A rank's memory (a framework.preflight.simulate.RankMemory) from the figures of one
+        whole replica (`fw check`, for a strategy whose `mesh_dims` is None), and a note on how
+        it was estimated. Default: the replica as it is (replicated model states), no note."""
         return replica, None
 
     @staticmethod
