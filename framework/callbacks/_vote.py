@@ -22,10 +22,14 @@ class PreemptionVote:
     def __init__(self) -> None:
         self.pending: tuple[Any, torch.Tensor] | None = None
         self.group: Any = None
+        self.alone: bool | None = None  # one process: nothing to vote on
 
     def agreed(self, local: int) -> int:
         """The highest signal number any rank got (0: none), as of the previous step."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if self.alone is None:  # the world does not change during a run: asked once
+            initialized = dist.is_available() and dist.is_initialized()
+            self.alone = not initialized or dist.get_world_size() == 1
+        if self.alone:
             return local
         decided = 0
         if self.pending is not None:
