@@ -346,13 +346,17 @@ def pipeline_cut(task, cfg, dims, coords, batch):
 
 def stage_steps(task, modules, inputs, cut):
     """Forward and backward of one microbatch through each of this rank's stages."""
+    from framework.strategies.parallel.schedule import pipeline_objective
+
     last = len(cut.starts) - 1
+    objective = pipeline_objective(task)  # the loss `fw train` computes on the last stage
 
     def run():
         for s in cut.mine:
             out = modules[s](inputs[s])
             if s == last:
-                task.loss(out, inputs["target"]).backward()
+                objective.begin(inputs["target"], 1)
+                objective.loss(out, inputs["target"]).backward()
             else:
                 out.backward(torch.ones_like(out))
 

@@ -115,3 +115,24 @@ def test_a_task_module_holding_the_model_deeper_gets_its_chain_and_loss():
     objective.begin(x, 1)
     want = lm(input_ids=x, labels=x).loss
     assert abs((objective.loss(run(chain, x), x) - want).item()) <= 1e-6
+
+
+def test_fw_check_simulates_a_pipelined_transformers_model_with_the_models_loss():
+    """`fw check` runs the last stage's loss as `fw train` does: a plain LightningModule holding
+    a causal LM (no `loss` of its own) is simulated with the model's loss, one row per stage."""
+    from framework.preflight.check import check
+
+    report = check(
+        [
+            "task=digits",
+            "task._target_=tests.hf_tasks.PlainLlama",
+            "~task.model.dropout",
+            "task.model.hidden=64",
+            "task.data._target_=tests.hf_tasks.RandomTokens",
+            "~task.data.val_fraction",
+            "strategy=pipeline",
+            "trainer.devices=2",
+        ]
+    )
+    assert [rank.role for rank in report.ranks] == ["stage 0 (pp0)", "stage 1 (pp1)"]
+    assert all(rank.grads > 0 and rank.activations > 0 for rank in report.ranks)
