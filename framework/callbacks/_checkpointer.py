@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from framework import checkpointing, rng, watchdog
+from framework.callbacks._hooks import skip_unused
 from framework.callbacks._vote import PreemptionVote
 from framework.data.order import resumable_part
 from framework.data.sampler import GlobalOrderSampler
@@ -63,6 +64,7 @@ class Checkpointer(pl.Callback):
         self.uploaders: list[Any] | None = None  # the loggers that upload checkpoints
         self.best_value: float | None = None  # of callbacks.checkpoint.monitor, so far
         self.best_read = False  # the earlier checkpoints' values were read
+        skip_unused(self)  # Lightning passes by the per-step hooks it does not override
 
     @property
     def state_key(self) -> str:
