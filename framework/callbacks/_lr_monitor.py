@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import LearningRateMonitor
 
+from framework.callbacks._hooks import skip_unused
+
 
 class LRMonitor(LearningRateMonitor):
     """Lightning's LearningRateMonitor, idle in a run with no logger (`logger=[]`), where
@@ -15,6 +17,7 @@ class LRMonitor(LearningRateMonitor):
         self.idle = not trainer.loggers
         if not self.idle:
             super().on_train_start(trainer, *args, **kwargs)
+        skip_unused(self, idle=self.idle)
 
     def on_train_batch_start(self, trainer, *args, **kwargs) -> None:
         if not self.idle:

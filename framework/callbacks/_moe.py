@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch.distributed as dist
 
+from framework.callbacks._hooks import skip_unused
 from framework.parallel.experts import moe_layers
 
 
@@ -18,6 +19,7 @@ class MoEMetrics(pl.Callback):
         self.cfg = cfg
         self.active = False  # the whole model has MoE layers (the same answer on every rank)
         self.layers: list = []  # this rank's MoE layers, once its model is final
+        skip_unused(self)
 
     def setup(self, trainer, pl_module, stage) -> None:
         for i, moe in enumerate(moe_layers(pl_module)):  # before any stage is cut
@@ -26,6 +28,8 @@ class MoEMetrics(pl.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.layers = moe_layers(pl_module) if self.active else []  # stages cut, layers swapped
+        if not self.active:
+            skip_unused(self, idle=True)  # Lightning passes it by at every step
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self.active or not trainer._logger_connector.should_update_logs:

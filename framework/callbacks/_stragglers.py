@@ -9,6 +9,8 @@ import time
 import lightning.pytorch as pl
 import torch.distributed as dist
 
+from framework.callbacks._hooks import skip_unused
+
 log = logging.getLogger("framework.stragglers")
 
 
@@ -29,10 +31,15 @@ class Stragglers(pl.Callback):
         self.flagged: dict[int, int] = {}
         self.batch_start = self.forward_end = self.last_end = None
         self.cpu_start = 0.0
+        skip_unused(self)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.active = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
         self.cuda = trainer.strategy.root_device.type == "cuda"
+        if not self.active:
+            skip_unused(self, idle=True)  # Lightning passes it by at every step
+        elif not self.cuda:
+            self.on_before_backward = None  # the forward's end is read on CUDA only
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.active:

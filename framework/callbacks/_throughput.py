@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from framework.callbacks._hooks import skip_unused
+
 log = logging.getLogger("framework.throughput")
 
 
@@ -33,6 +35,7 @@ class Throughput(pl.Callback):
         self.last_step = 0  # trainer.global_step at the last batch's end
         self.warned = False
         self.figures: dict[str, float] | None = None  # the last closed window's, not yet logged
+        skip_unused(self)
 
     def reset(self) -> None:
         self.start: float | None = None

@@ -5,6 +5,7 @@ Lightning does not write to the loggers; and what they log is still what they me
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +39,13 @@ class Module:
         self.logged[name] = value
 
 
+def hook(callback, name: str, *args) -> None:
+    """Call a hook as Lightning's trainer does: only when it is callable."""
+    fn = getattr(callback, name)
+    if callable(fn):
+        fn(*args)
+
+
 def trainer(world_size: int = 1, step: int = 0, logs: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
         world_size=world_size,
@@ -56,9 +64,9 @@ def test_the_straggler_check_reads_no_clock_in_one_process(monkeypatch):
     one = trainer(world_size=1)
     callback.on_train_start(one, None)
     for i in range(5):
-        callback.on_train_batch_start(one, None, None, i)
-        callback.on_before_backward(one, None, None)
-        callback.on_train_batch_end(one, None, None, None, i)
+        hook(callback, "on_train_batch_start", one, None, None, i)
+        hook(callback, "on_before_backward", one, None, None)
+        hook(callback, "on_train_batch_end", one, None, None, None, i)
     assert clock.reads == 0
 
 
@@ -104,7 +112,7 @@ def test_moe_metrics_do_nothing_per_step_on_a_model_without_experts(monkeypatch)
     callback.on_train_start(trainer(), model)
     walks.clear()
     for step in range(5):
-        callback.on_before_optimizer_step(trainer(step=step, logs=True), model, None)
+        hook(callback, "on_before_optimizer_step", trainer(step=step, logs=True), model, None)
     assert walks == []
 
 
@@ -113,6 +121,32 @@ def test_the_lr_monitor_is_idle_without_a_logger():
     no_logger = SimpleNamespace(loggers=[], lr_scheduler_configs=[], optimizers=[])
     monitor = LRMonitor(logging_interval="step")
     monitor.on_train_start(no_logger)
-    monitor.on_train_epoch_start(no_logger, None)
-    monitor.on_train_batch_start(no_logger, None, None, 0)
+    hook(monitor, "on_train_epoch_start", no_logger, None)
+    hook(monitor, "on_train_batch_start", no_logger, None, None, 0)
     assert monitor.idle
+
+
+def test_lightning_passes_by_the_hooks_a_callback_has_nothing_to_do_in():
+    """Lightning formats a profiler name and enters a profiler context for every callback at
+    each of the six per-step hooks unless the hook is not callable (trainer/call.py)."""
+    from framework.callbacks._checkpointer import Checkpointer
+    from framework.callbacks._hooks import PER_STEP
+
+    def used(callback) -> set[str]:
+        return {name for name in PER_STEP if callable(getattr(callback, name))}
+
+    stragglers = _stragglers.Stragglers(SimpleNamespace(every_n_steps=2, threshold=1.5))
+    stragglers.on_train_start(trainer(world_size=1), None)
+    assert used(stragglers) == set(), "one process: nothing to compare"
+    moe = _moe.MoEMetrics(SimpleNamespace(per_expert=True))
+    assert used(moe) == {"on_before_optimizer_step"}
+    moe.on_train_start(trainer(), nn.Linear(2, 2))
+    assert used(moe) == set(), "no MoE layers"
+    cfg = SimpleNamespace(window=2, count_flops=False, warn_data_wait=0.0)
+    throughput = _throughput.Throughput(cfg, data_ranks=1, configured_peak=None)
+    assert used(throughput) == {"on_train_batch_start", "on_train_batch_end"}
+    monitor = LRMonitor(logging_interval="step")
+    monitor.on_train_start(SimpleNamespace(loggers=[]))
+    assert used(monitor) == set()
+    checkpointer = Checkpointer(SimpleNamespace(), SimpleNamespace(run_dir=Path("unused")))
+    assert used(checkpointer) == {"on_train_batch_start", "on_train_batch_end"}
