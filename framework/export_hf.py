@@ -7,7 +7,7 @@ weights (the prefix stripped) are assigned to that meta model, its ties are made
 says, and transformers' own `save_pretrained` writes config.json, generation_config.json and
 safetensors shards (an index past `--max-shard-size`), so tied weights are written once and the
 layout is the one `from_pretrained` expects. The tokenizer the task trained with is copied beside
-them: the one `task.data.encoder` names (the hf_lm recipe: a directory or a tokenizer.json), else
+them: the one `task.data.tokenizer` names (the hf_lm recipe: a directory or a tokenizer.json), else
 the tokenizer files of the pretrained directory the model came from (`task.model.pretrained`).
 
 The directory is atomic: written under a hidden temporary sibling (`.OUT.<pid>.<random>.tmp`),
@@ -132,9 +132,9 @@ def transformers_model(task_cfg: Any) -> tuple[str, Any]:
 
 
 def tokenizer_dir(task_cfg: Any) -> Path | None:
-    """Where the task's tokenizer is: `task.data.encoder` when it names a directory or a file
+    """Where the task's tokenizer is: `task.data.tokenizer` when it names a directory or a file
     (a tokenizer.json), else the pretrained directory of the model (`task.model.pretrained`)."""
-    for section, key in (("data", "encoder"), ("model", "pretrained")):
+    for section, key in (("data", "tokenizer"), ("model", "pretrained")):
         node = task_cfg.get(section)
         value = node.get(key) if hasattr(node, "get") else None
         path = Path(str(value)).expanduser() if value else None

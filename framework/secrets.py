@@ -24,7 +24,16 @@ from typing import Any
 
 REDACTED = "***"
 ENV = "FW_SECRET_VALUES"  # the secret config values, handed to the workers outside config.yaml
-WORDS = ("api[_-]?key", "token", "secret", "password", "passwd", "credential", "private[_-]?key")
+# `token` but not `tokenizer` (a path to a vocabulary, e.g. task.data.tokenizer)
+WORDS = (
+    "api[_-]?key",
+    "token(?!i[sz])",
+    "secret",
+    "password",
+    "passwd",
+    "credential",
+    "private[_-]?key",
+)
 # environment variable names: the key words, `auth`, and a name ending in KEY (OPENAI_KEY, ...)
 ENV_NAME = re.compile("|".join((*WORDS, "auth", r"(^|_)KEY$")), re.IGNORECASE)
 MIN_LENGTH = 6  # shorter values are not scrubbed from free text (too many false hits)

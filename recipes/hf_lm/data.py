@@ -1,6 +1,6 @@
 """The gpt recipe's text corpus (recipes/gpt/data.py), encoded with the model's tokenizer.
 
-`encoder`: `bytes` (the byte-level vocabulary of 256, as the gpt recipe), or a directory holding
+`tokenizer`: `bytes` (the byte-level vocabulary of 256, as the gpt recipe), or a directory holding
 a `tokenizer.json` (by default the pretrained model's own directory), or that file itself; it is
 read with the `tokenizers` library, never downloaded. The in-memory corpus is encoded whole when
 the data is set up; `fw prepare task=hf_lm ...` encodes it into the prepared format with the same
@@ -52,11 +52,11 @@ class TokenizerEncoder:
 
 
 class HFTextDataModule(TextDataModule):
-    """TextDataModule whose text is encoded with `encoder` (see the module docstring)."""
+    """TextDataModule whose text is encoded with `tokenizer` (see the module docstring)."""
 
     def __init__(
         self,
-        encoder: str | None = BYTES,
+        tokenizer: str | None = BYTES,
         path: str | None = None,
         block_size: int = 128,
         batch_size: int = 32,
@@ -71,13 +71,13 @@ class HFTextDataModule(TextDataModule):
             path, block_size, batch_size, val_fraction, max_bytes, num_workers, prepared, source
         )
         self.chunk_bytes = chunk_bytes
-        self.encoder_name = BYTES if encoder is None else str(encoder)
+        self.tokenizer_name = BYTES if tokenizer is None else str(tokenizer)
 
     @property
     def encoder(self) -> TokenizerEncoder | None:
-        if self.encoder_name == BYTES:
+        if self.tokenizer_name == BYTES:
             return None
-        return TokenizerEncoder(str(tokenizer_file(self.encoder_name)))
+        return TokenizerEncoder(str(tokenizer_file(self.tokenizer_name)))
 
     @property
     def vocab_size(self) -> int:
@@ -89,17 +89,17 @@ class HFTextDataModule(TextDataModule):
 
     @staticmethod
     def validate_config(prefix: str, args: dict) -> None:
-        TextDataModule.validate_config(prefix, {k: v for k, v in args.items() if k != "encoder"})
-        value = args.get("encoder", BYTES)
+        TextDataModule.validate_config(prefix, {k: v for k, v in args.items() if k != "tokenizer"})
+        value = args.get("tokenizer", BYTES)
         if value in (None, BYTES):
             return
         if not tokenizer_file(str(value)).is_file():
             raise ConfigError(
-                f"{prefix}.encoder",
+                f"{prefix}.tokenizer",
                 value,
                 "holds no tokenizer.json (read with the tokenizers library; nothing is downloaded)",
                 hint=f"Give a directory with tokenizer.json, the file itself, or "
-                f"{prefix}.encoder=bytes for a byte-level vocabulary.",
+                f"{prefix}.tokenizer=bytes for a byte-level vocabulary.",
             )
 
     def check_ready(self, prefix: str = "task.data") -> None:
@@ -110,7 +110,7 @@ class HFTextDataModule(TextDataModule):
                 self.prepared,
                 "is not a prepared dataset (or its preparation did not finish)",
                 hint=f"Run: fw prepare task=hf_lm {prefix}.prepared={self.prepared} "
-                f"{prefix}.encoder={self.encoder_name} [{prefix}.source=DIR]",
+                f"{prefix}.tokenizer={self.tokenizer_name} [{prefix}.source=DIR]",
             )
 
     def prepare(self, workers: int, engine: str = "local") -> bool:

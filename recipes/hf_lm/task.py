@@ -99,8 +99,8 @@ class HFCausalLM(TaskModule):
         limit = self.model.config.get_text_config().vocab_size
         if vocab is not None and vocab > limit:
             raise ConfigError(
-                "task.data.encoder",
-                self.trainer.datamodule.encoder_name,
+                "task.data.tokenizer",
+                self.trainer.datamodule.tokenizer_name,
                 f"has {vocab} tokens, more than the model's vocab_size={limit}",
             )
 

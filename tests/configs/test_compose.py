@@ -14,10 +14,12 @@ from framework.errors import ConfigError
 SKIPPED = {("logger", "none"), ("launcher", "slurm")}
 OPTIONS = [(g, o) for g in GROUPS for o in group_options(g) if (g, o) not in SKIPPED]
 # Options that need more than the defaults: fsdp_tp (fsdp x tp=2) two processes, hogwild the CPU
-# (accelerator auto is CUDA where a GPU is present).
+# (accelerator auto is CUDA where a GPU is present), hf_lm a model: a pretrained directory or a
+# random init's config (the tiny experiment's).
 NEEDS = {
     ("strategy", "fsdp_tp"): ["trainer.devices=2"],
     ("strategy", "hogwild"): ["trainer.accelerator=cpu"],
+    ("task", "hf_lm"): ["experiment=hf_lm_tiny"],
 }
 
 

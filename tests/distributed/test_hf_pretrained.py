@@ -35,7 +35,7 @@ def train(pretrained, cwd, *args: str):
         "train",
         "task=hf_lm",
         f"task.model.pretrained={pretrained['model']}",
-        "task.data.encoder=bytes",
+        "task.data.tokenizer=bytes",
         f"task.data.path={pretrained['corpus']}",
         f"task.data.block_size={BLOCK}",
         "task.data.batch_size=4",

@@ -100,6 +100,6 @@ def test_a_checkpoint_converted_while_loading_is_refused(tmp_path, monkeypatch, 
     model = tmp_path / "mixtral"
     MixtralForCausalLM(config).save_pretrained(model)
     capsys.readouterr()  # transformers' progress bar
-    args = ["task=hf_lm", f"task.model.pretrained={model}", "task.data.encoder=bytes"]
+    args = ["task=hf_lm", f"task.model.pretrained={model}", "task.data.tokenizer=bytes"]
     err = refused(args, tmp_path, monkeypatch, capsys)
     assert f"task.model.pretrained={model}: holds a 'mixtral' checkpoint" in err

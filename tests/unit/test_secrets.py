@@ -83,3 +83,11 @@ def test_a_slurm_submission_script_is_left_without_secrets(tmp_path, monkeypatch
     redact_scripts(tmp_path)
     text = script.read_text()
     assert TOKEN not in text and PASSWORD not in text and "export HF_TOKEN=***" in text
+
+
+def test_a_tokenizer_key_is_not_a_secret_but_a_token_key_is():
+    """`task.data.tokenizer=DIR` is a path the workers must read as written; `hf_token` is not."""
+    from framework.secrets import is_secret_key
+
+    assert not is_secret_key("tokenizer") and not is_secret_key("tokenise")
+    assert is_secret_key("hf_token") and is_secret_key("TOKEN") and is_secret_key("auth_tokens")
