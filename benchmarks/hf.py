@@ -13,7 +13,7 @@ tensor parallel tp = 2 (the 2 processes share each batch of 8). Each run trains 
 `StepTimer` gives rank 0's median step over steps 5-20. The two models of one layout run one
 after the other, the first alternating from layout to layout (and from repeat to repeat), so a
 change in the machine's load falls on both. Run: `python -m benchmarks.hf [--repeats N]` (part
-of `make bench`; about 4 minutes per repeat on 2 idle cores).
+of `make bench`; about 3 minutes per repeat on 2 cores at load 4).
 """
 
 from __future__ import annotations
