@@ -91,7 +91,7 @@ def export(
     if fmt == "hf":
         from framework.export_hf import export_hf
 
-        return export_hf(ckpt, out, max_shard_size or DEFAULT_SHARD_SIZE, force)
+        return export_hf(ckpt, out, consolidated_state, max_shard_size or DEFAULT_SHARD_SIZE, force)
     state = consolidated_state(ckpt)
     # whole or not at all, under a fresh temporary name (a planted symlink is not followed)
     files.write_atomic_with(out, lambda fh: torch.save(state, fh))

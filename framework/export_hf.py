@@ -57,16 +57,20 @@ def shard_size(text: str) -> int:
 
 
 def export_hf(
-    ckpt: Path, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE, force: bool = False
+    ckpt: Path,
+    out: Path,
+    read_state: Callable[[Path], dict],
+    max_shard_size: str = DEFAULT_SHARD_SIZE,
+    force: bool = False,
 ) -> Path:
-    """Write the transformers model of checkpoint `ckpt` (resolved, checked) as directory `out`."""
+    """Write the transformers model of checkpoint `ckpt` (resolved, checked) as directory `out`;
+    `read_state` consolidates the checkpoint into one state dict (framework.export's, passed in
+    so that the plain export, which dispatches here, is not imported back)."""
     limit = shard_size(max_shard_size)
     task_cfg = recorded_task(ckpt)
     path, model = transformers_model(task_cfg)
     tokenizer = tokenizer_dir(task_cfg)
-    from framework.export import consolidated_state
-
-    weights = model_weights(consolidated_state(ckpt), path)
+    weights = model_weights(read_state(ckpt), path)
     assign(model, weights, path)
     del weights
     write_dir_atomic(out, lambda tmp: save(model, tmp, limit, tokenizer), force)

@@ -9,9 +9,16 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from framework.callbacks.profile import fit_schedule
-
 log = logging.getLogger("framework.profile")
+
+
+def fit_schedule(wait: int, warmup: int, active: int, steps_left: float) -> tuple[int, int, int]:
+    """(wait, warmup, active) cut to `steps_left` steps: wait first, then warmup, then active."""
+    over = max(wait + warmup + active - steps_left, 0)
+    cut_wait = min(wait, over)
+    cut_warmup = min(warmup, over - cut_wait)
+    cut_active = min(active - 1, over - cut_wait - cut_warmup)
+    return int(wait - cut_wait), int(warmup - cut_warmup), int(active - cut_active)
 
 
 class Profile(pl.Callback):

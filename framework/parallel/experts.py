@@ -69,7 +69,12 @@ def balance_routers(model: nn.Module, data_group) -> None:
     """Once per optimizer step: every router's token counts since the last step, summed over the
     data-parallel ranks (`data_group`; None: all processes), move its expert bias towards equal
     load; the counts are kept as `global_counts` for the metrics."""
-    for moe in moe_layers(model):
+    balance(moe_layers(model), data_group)
+
+
+def balance(layers: list[nn.Module], data_group) -> None:
+    """`balance_routers` for MoE layers already found."""
+    for moe in layers:
         router = moe.router
         counts = router.tokens_per_expert.clone()
         if dist.is_available() and dist.is_initialized():
