@@ -158,7 +158,7 @@ def test_tied_weights_are_written_once(tmp_path):
 
 def test_the_pretrained_directorys_tokenizer_files_are_copied(tmp_path):
     """A task whose model came from `task.model.pretrained=DIR` gets DIR's tokenizer files;
-    a tokenizer named by `task.data.encoder` (the one the data was encoded with) comes first."""
+    a tokenizer named by `task.data.tokenizer` (the one the data was encoded with) comes first."""
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -176,15 +176,15 @@ def test_the_pretrained_directorys_tokenizer_files_are_copied(tmp_path):
     assert not (out / "notes.txt").exists()
     ids = AutoTokenizer.from_pretrained(out)("model came here").input_ids
     assert ids == [4, 1, 3], ids  # the word-level vocabulary, sorted, after [UNK]
-    # the hf_lm recipe's task.data.encoder names the tokenizer it trained with: that one wins
+    # the hf_lm recipe's task.data.tokenizer names the tokenizer it trained with: that one wins
     other = tmp_path / "other"
     write_word_tokenizer(other, ["here", "came", "a", "model"])
-    task_cfg.data = {"encoder": str(other / "tokenizer.json")}
+    task_cfg.data = {"tokenizer": str(other / "tokenizer.json")}
     assert tokenizer_dir(task_cfg) == other / "tokenizer.json"
     (out / "tokenizer.json").unlink()
     save(AutoModelForCausalLM.from_pretrained(pretrained), out, 2**30, tokenizer_dir(task_cfg))
     assert (out / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
-    task_cfg.data = {"encoder": "bytes"}
+    task_cfg.data = {"tokenizer": "bytes"}
     assert tokenizer_dir(task_cfg) == pretrained
 
 
