@@ -289,32 +289,11 @@ def parallel_rank(
 
 
 def settings(task, cfg, dims, cut):
-    """The tensor-parallel and FSDP settings the strategy's setup would give `parallelize`."""
-    from framework.parallel.fsdp import FSDPSettings
-    from framework.parallel.parallelize import TensorParallelSettings
+    """The tensor-parallel and FSDP settings the strategy's setup gives `parallelize` (the same
+    function), with offloaded states counted on the device: an upper bound."""
+    from framework.strategies.parallel.settings import parallel_settings
 
-    tensor = TensorParallelSettings(
-        plan=tensor_plan(task, cfg, dims),
-        sequence_parallel=cfg.sequence_parallel,
-        loss_parallel=cfg.loss_parallel and cut is None,
-    )
-    fsdp = FSDPSettings(
-        reshard_after_forward=cfg.reshard_after_forward,
-        param_dtype=cfg.param_dtype,
-        reduce_dtype=cfg.reduce_dtype,
-        cpu_offload=False,  # offloaded states are counted on the device: an upper bound
-        shard_modules=tuple(cfg.shard_modules),
-    )
-    return tensor, fsdp
-
-
-def tensor_plan(task, cfg, dims) -> dict[str, str]:
-    from framework.nn.plan import auto_plan, collect_plan
-
-    given = dict(str(e).rsplit(":", 1) for e in cfg.tp_plan)
-    if given or dims.tp == 1 or collect_plan(task):
-        return given
-    return auto_plan(task, dims.tp)
+    return parallel_settings(task, cfg, dims, cut, cpu_offload=False)
 
 
 def pipeline_cut(task, cfg, dims, coords, batch):

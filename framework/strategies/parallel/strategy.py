@@ -26,12 +26,12 @@ from framework.nn import hf_load, pipeline
 from framework.nn.hf_moe import swap_sparse_blocks
 from framework.parallel.dims import ParallelDims
 from framework.parallel.experts import expert_parameters, scale_expert_gradients
-from framework.parallel.fsdp import FSDPSettings
 from framework.parallel.gradients import clip_by_total_norm, reduce_partial_gradients
-from framework.parallel.parallelize import StageCut, TensorParallelSettings, parallelize
+from framework.parallel.parallelize import StageCut, parallelize
 from framework.parallel.placement import per_parameter_where_mixed, to_device
 from framework.strategies.parallel import checkpoint_io, stages
 from framework.strategies.parallel.schedule import PipelineRunner, pipeline_objective
+from framework.strategies.parallel.settings import parallel_settings
 from framework.strategies.parallel.timeline import gathered_metrics, save_trace
 from framework.strategy_base import StrategyBase
 from framework.world import collective_backend
@@ -98,18 +98,7 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         task = self.lightning_module
         cut = self.cut_stages(task, trainer) if self.dims.pp > 1 else None
-        tensor = TensorParallelSettings(
-            plan=self.tensor_plan(task),
-            sequence_parallel=self.cfg.sequence_parallel,
-            loss_parallel=self.cfg.loss_parallel and cut is None,  # logits whole on a last stage
-        )
-        fsdp = FSDPSettings(
-            reshard_after_forward=self.cfg.reshard_after_forward,
-            param_dtype=self.cfg.param_dtype,
-            reduce_dtype=self.cfg.reduce_dtype,
-            cpu_offload=self.cfg.cpu_offload,
-            shard_modules=tuple(self.cfg.shard_modules),
-        )
+        tensor, fsdp = parallel_settings(task, self.cfg, self.dims, cut)
         modules = parallelize(task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut)
         # a pretrained model built on meta: each rank reads the slices it now holds (before a
         # resumed checkpoint is restored over them)
@@ -119,16 +108,6 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         if self.pipeline is not None:
             self.pipeline.start(modules, task)
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # over every stage
-
-    def tensor_plan(self, task) -> dict[str, str]:
-        """The config's plan entries; for a model with no plans of its own and none given, the
-        automatic plan of plain shapes (checked before launch to exist)."""
-        from framework.nn.plan import auto_plan, collect_plan
-
-        given = dict(str(e).rsplit(":", 1) for e in self.cfg.tp_plan)
-        if given or self.dims.tp == 1 or collect_plan(task):
-            return given
-        return auto_plan(task, self.dims.tp)
 
     def cut_stages(self, task, trainer) -> StageCut:
         cfg = self.cfg
