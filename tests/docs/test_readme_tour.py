@@ -57,8 +57,12 @@ def test_the_tour_runs_as_written(tmp_path):
     state = torch.load(project / "model.pt", weights_only=True)
     assert "model.blocks.0.attn.qkv.weight" in state, "the exported gpt run"
     runs = sorted(p.name for p in (project / "runs").iterdir())
-    # linear, linear again, ddp, zero2, fsdp, first, and the sweep's directory
-    assert len(runs) == 7 and "first" in runs, runs
+    # linear, linear again, ddp, zero2, fsdp, llama, first, and the sweep's directory
+    assert len(runs) == 8 and "first" in runs and "llama" in runs, runs
+    from transformers import AutoModelForCausalLM  # the transformers Llama, exported as HF
+
+    llama = AutoModelForCausalLM.from_pretrained(project / "llama_hf")
+    assert type(llama).__name__ == "LlamaForCausalLM" and llama.config.hidden_size == 64
     sweep = [p for p in (project / "runs").iterdir() if (p / "0").is_dir()]
     assert len(sweep) == 1 and (sweep[0] / "1" / "config.yaml").is_file()
     assert "strategy:" in result.stdout and "fw train" in result.stdout  # fw config, --help
