@@ -96,6 +96,21 @@ def tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in Path(root).rglob("*")}
 
 
+def pytest_sessionstart(session) -> None:
+    """A JIT build of a DeepSpeed op killed midway (a killed job or test run) leaves its lock in
+    torch's extension cache, and every later DeepSpeed job waits on it forever at "initializing
+    deepspeed distributed" (ENV.md): a lock older than any build (15 min) is removed."""
+    import time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    for lock in root.glob("*/*/lock"):
+        try:
+            if time.time() - lock.stat().st_mtime > 15 * 60:
+                lock.unlink()
+        except OSError:
+            pass
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `gpu` are skipped, with the reason, where no CUDA device is present."""
     import torch
