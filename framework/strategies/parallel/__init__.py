@@ -20,6 +20,7 @@ directories (`dcp`; `dcp_flat` under a pipeline: optimizer state keyed per param
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, fields
 from typing import Any
@@ -109,10 +110,18 @@ class Config(CollectiveSettings):
 
 
 def dims_of(cfg: Config, world_size: int) -> ParallelDims:
-    """The resolved degrees; ConfigError when they do not fit the processes."""
-    return ParallelDims.fit(
-        {k: getattr(cfg, k) for k in ("pp", "dp", "fsdp", "tp", "ep")}, world_size
-    )
+    """The resolved degrees; ConfigError when they do not fit the processes. Fitted once per
+    process (a pure function of the degrees and the process count): `validate` asks first,
+    and every later hook (the job plan's questions, `build`) gets that answer."""
+    return _fitted(tuple(int(getattr(cfg, k)) for k in DEGREES), world_size)
+
+
+DEGREES = ("pp", "dp", "fsdp", "tp", "ep")  # the Config fields ParallelDims.fit resolves
+
+
+@functools.lru_cache(maxsize=32)
+def _fitted(degrees: tuple[int, ...], world_size: int) -> ParallelDims:
+    return ParallelDims.fit(dict(zip(DEGREES, degrees, strict=True)), world_size)
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:
