@@ -13,6 +13,7 @@ front of the Lightning class gives that strategy what the worker and the callbac
 - data loaders in one global order (framework.data.order): every loader Lightning prepares gets
   a `GlobalOrderSampler` bound to this rank's (rank, size) among the ranks that read different
   data (unless `task.data_order=keep`);
+- `step_loss()`: the loss of the step about to be applied, for callbacks that judge it first;
 - `save_async(trainer, filepath)`: the checkpoint callback's one question for a background write
   (`callbacks.checkpoint.async_save`); None by default, the strategies with DCP layouts answer it.
 
@@ -85,10 +86,19 @@ class StrategyBase:
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         def closure_then_prepare(*args: Any, **kw: Any) -> Any:
             result = closure(*args, **kw)
+            self.__dict__["_step_loss"] = result.detach() if result is not None else None
             self.before_optimizer_step()
             return result
 
         return super().optimizer_step(optimizer, closure_then_prepare, model, **kwargs)  # type: ignore[misc]
+
+    def step_loss(self) -> Any:
+        """The loss of the step the optimizer is about to apply, as the training step's closure
+        returned it (detached; with gradient accumulation the last micro-batch's, divided by
+        the accumulation), for callbacks that judge a step before it is applied
+        (`callbacks.loss_guard`, in `on_before_optimizer_step`). None before the first step or
+        when the training step returned no loss; under pipeline parallel every stage has it."""
+        return self.__dict__.get("_step_loss")
 
     def before_optimizer_step(self) -> None:
         """Once per optimizer step, after the last backward of the step: the mixture-of-experts
