@@ -1,9 +1,12 @@
 """Degrees of parallelism and the one DeviceMesh they build.
 
 `ParallelDims` holds the degrees `pp` (pipeline), `dp` (replicated data), `fsdp` (sharded data),
-`tp` (tensor) and `ep` (expert). The first four multiply to the number of processes; `ep` does not
-add processes: it borrows its ranks from `fsdp`. (Tensor-parallel ranks hold the same tokens, so
-they keep whole experts and are not borrowed: each of them runs the same expert computation.)
+`tp` (tensor), `ep` (expert) and `cp` (context). The first four multiply to the number of
+processes; `ep` and `cp` do not add processes: they borrow their ranks from `fsdp`. (Tensor-parallel
+ranks hold the same tokens, so they keep whole experts and are not borrowed: each of them runs the
+same expert computation.) The ranks of a context-parallel group read the same batch and each keeps
+two chunks of its sequences (framework/nn/context.py); FSDP still shards over all the fsdp ranks,
+so borrowing them costs no parameter memory.
 
 The processes form one mesh, outermost first (pp, dp, fsdp, tp): tensor parallel is innermost
 (neighbouring ranks, the fastest links), pipeline outermost (the fewest bytes). Every part of the
@@ -14,13 +17,17 @@ framework takes the view it needs from that one mesh by name:
 | `pp` | pp | pipeline stages (send/recv, tied weights) |
 | `dp`, `fsdp` | dp, fsdp | FSDP2 (replicate x shard: hybrid when both are above 1) |
 | `tp` | tp | tensor-parallel plans |
-| `data` | dp x fsdp, flattened | samplers and loss averaging: ranks that read different data |
+| `data` | dp x fsdp / cp, flattened | samplers: ranks that read different data |
 | `ep` | the fsdp ranks borrowed | expert parallel (when ep > 1): experts split over it |
 | `efsdp` | dp x (fsdp / ep), flattened | the ranks holding the same experts (their gradients are summed) |
+| `cp` | the fsdp ranks borrowed | context parallel (when cp > 1): the sequence split over it |
 
 With ep > 1 the fsdp dimension is factored into `fsdp_out x ep` (neighbouring fsdp ranks form an
-expert-parallel group); the `fsdp` view is then those two flattened. The degrees are plain integers: everything except `build_mesh` runs
-without torch (in the `fw` process, before launch).
+expert-parallel group); the `fsdp` view is then those two flattened. With cp > 1 it is factored
+into `fsdp_out x cp` the same way (neighbouring ranks share a sequence: attention's K/V traffic
+takes the fastest links after tensor parallel's), and `data` leaves `cp` out. The degrees are
+plain integers: everything except `build_mesh` runs without torch (in the `fw` process, before
+launch).
 """
 
 from __future__ import annotations
@@ -77,27 +84,24 @@ class ParallelDims:
     fsdp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @classmethod
     def fit(cls, degrees: Mapping[str, int], world_size: int) -> ParallelDims:
         """Resolve `degrees` (pp, dp, fsdp, tp: one may be -1; ep: -1 means all of fsdp) against
-        the process count; ConfigError naming the key when they do not fit."""
+        the process count; ConfigError naming the key when they do not fit. ep and cp borrow
+        from fsdp (-1: all of it)."""
         found = fit_degrees({k: degrees.get(k, 1) for k in ORDER}, world_size)
-        ep = int(degrees.get("ep", 1))
-        if ep == -1:
-            ep = found["fsdp"]
-        if ep < 1:
-            raise ConfigError("strategy.ep", ep, "must be at least 1, or -1 for all of fsdp")
-        if found["fsdp"] % ep:
+        ep = borrowed("ep", "expert", int(degrees.get("ep", 1)), found["fsdp"])
+        cp = borrowed("cp", "context", int(degrees.get("cp", 1)), found["fsdp"])
+        if ep > 1 and cp > 1:
             raise ConfigError(
-                "strategy.ep",
-                ep,
-                f"expert parallel borrows its ranks from the fsdp degree ({found['fsdp']}), "
-                "which it must divide",
-                [d for d in range(1, found["fsdp"] + 1) if found["fsdp"] % d == 0],
-                hint="Raise strategy.fsdp (e.g. strategy.fsdp=-1), or lower strategy.ep.",
+                "strategy.cp",
+                cp,
+                f"context parallel does not compose with expert parallel (strategy.ep={ep}) yet",
+                [1],
             )
-        return cls(**found, ep=ep)
+        return cls(**found, ep=ep, cp=cp)
 
     @property
     def world_size(self) -> int:
@@ -105,7 +109,12 @@ class ParallelDims:
 
     @property
     def data_size(self) -> int:
-        """How many ranks read different data (dp x fsdp)."""
+        """How many ranks read different data (dp x fsdp / cp)."""
+        return self.dp * self.fsdp // self.cp
+
+    @property
+    def shard_size(self) -> int:
+        """How many ranks FSDP spreads the parameters over (dp x fsdp: cp's ranks too)."""
         return self.dp * self.fsdp
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -118,12 +127,23 @@ class ParallelDims:
         return {name: out[name] for name in ORDER}
 
     def data_parallel(self, rank: int) -> tuple[int, int]:
-        """(rank, size) of this process among the ranks that read different data."""
+        """(rank, size) of this process among the ranks that read different data (the ranks of
+        a context-parallel group, neighbours along fsdp, read the same)."""
         c = self.coordinates(rank)
-        return c["dp"] * self.fsdp + c["fsdp"], self.data_size
+        per_dp = self.fsdp // self.cp
+        return c["dp"] * per_dp + c["fsdp"] // self.cp, self.data_size
 
     def layout(self) -> tuple[list[tuple[str, int]], dict[str, tuple[str, ...]]]:
         """The mesh's dimensions [(name, size)] and its flattened views {name: dims}."""
+        if self.cp > 1:
+            dims = [
+                ("pp", self.pp),
+                ("dp", self.dp),
+                ("fsdp_out", self.fsdp // self.cp),
+                ("cp", self.cp),
+                ("tp", self.tp),
+            ]
+            return dims, {"fsdp": ("fsdp_out", "cp"), "data": ("dp", "fsdp_out")}
         if self.ep == 1:
             dims = [(n, getattr(self, n)) for n in ORDER]
             return dims, {"data": ("dp", "fsdp")}
@@ -152,8 +172,26 @@ class ParallelDims:
         return JobMesh(root, {name: root[parts]._flatten(name) for name, parts in views.items()})
 
     def describe(self) -> str:
-        shown = [f"{n}={getattr(self, n)}" for n in (*ORDER, "ep") if getattr(self, n) > 1]
+        shown = [f"{n}={getattr(self, n)}" for n in (*ORDER, "ep", "cp") if getattr(self, n) > 1]
         return " x ".join(shown) or "one process"
+
+
+def borrowed(key: str, what: str, degree: int, fsdp: int) -> int:
+    """A degree that borrows its ranks from fsdp (-1: all of them), checked to divide it."""
+    if degree == -1:
+        return fsdp
+    if degree < 1:
+        raise ConfigError(f"strategy.{key}", degree, "must be at least 1, or -1 for all of fsdp")
+    if fsdp % degree:
+        raise ConfigError(
+            f"strategy.{key}",
+            degree,
+            f"{what} parallel borrows its ranks from the fsdp degree ({fsdp}), which it must "
+            "divide",
+            [d for d in range(1, fsdp + 1) if fsdp % d == 0],
+            hint=f"Raise strategy.fsdp (e.g. strategy.fsdp=-1), or lower strategy.{key}.",
+        )
+    return degree
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def parallelize(
     if experts and (mesh["efsdp"].size() > 1 or fsdp.param_dtype or fsdp.reduce_dtype):
         shard_experts(task, mesh["efsdp"], fsdp)
         experts = set()  # now FSDP units of their own: the outer units leave them out anyway
-    if dims.data_size > 1:
+    if dims.shard_size > 1:
         data = mesh[("dp", "fsdp")] if dims.dp > 1 else mesh["fsdp"]
         apply_fsdp(task, data, fsdp, roots=list(stages.values()) if cut else None, ignored=experts)
     if device is not None:

@@ -5,7 +5,8 @@ The degrees `pp`, `dp`, `fsdp` and `tp` multiply to the number of processes; one
 ("the rest"). The presets only set degrees: `fsdp` is `fsdp: -1`, `tensor` is `tp: -1`, `fsdp_tp`
 is `fsdp: -1, tp: 2`, `pipeline` is `pp: -1`; any other mix is written with the degrees, e.g.
 `strategy=pipeline strategy.pp=2 strategy.fsdp=2`; `expert` is `fsdp: -1, ep: -1` (the experts
-of mixture-of-experts layers split over all processes). One `ParallelDims` builds one mesh
+of mixture-of-experts layers split over all processes). `cp` splits each sequence over that many
+of the fsdp ranks (context parallel: attention by `cp_mode`, framework/nn/context.py). One `ParallelDims` builds one mesh
 (framework/parallel/dims.py) and one `parallelize` applies, in this order: the pipeline cut,
 tensor-parallel plans, activation checkpointing / compile, FSDP2 over the data ranks
 (framework/parallel/parallelize.py).
@@ -34,6 +35,7 @@ from framework.world import World, collective_backend
 log = logging.getLogger("framework.parallel")
 DTYPES = (None, "float32", "bfloat16", "float16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+CP_MODES = ("ring", "allgather", "ulysses")
 BALANCE = ("params", "time")
 LOOPED = ("interleaved_1f1b", "zero_bubble")  # several stages per process, placed round-robin
 PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages", "split_points", "balance", "trace")
@@ -53,6 +55,18 @@ class Config(CollectiveSettings):
         1,
         "Expert-parallel degree: MoE experts split over this many of the fsdp ranks "
         "(-1: all of them).",
+    )
+    cp: int = doc(
+        1,
+        "Context-parallel degree: each sequence split over this many of the fsdp ranks "
+        "(-1: all of them); they read the same batch.",
+    )
+    cp_mode: str = doc(
+        "ring",
+        "Context-parallel attention: ring (K/V passed around the cp ranks, online-softmax "
+        "merge), allgather (K/V gathered once per layer) or ulysses (all-to-all from sequence "
+        "to heads; heads divisible by cp).",
+        CP_MODES,
     )
     # FSDP2
     reshard_after_forward: bool = doc(True, "FSDP: free gathered parameters after forward.")
@@ -116,7 +130,7 @@ def dims_of(cfg: Config, world_size: int) -> ParallelDims:
     return _fitted(tuple(int(getattr(cfg, k)) for k in DEGREES), world_size)
 
 
-DEGREES = ("pp", "dp", "fsdp", "tp", "ep")  # the Config fields ParallelDims.fit resolves
+DEGREES = ("pp", "dp", "fsdp", "tp", "ep", "cp")  # the Config fields ParallelDims.fit resolves
 
 
 @functools.lru_cache(maxsize=32)
@@ -144,6 +158,22 @@ def validate(cfg: Config, world: World, job: Any) -> None:
     if dims.tp > 1:
         checks.tensor_parallel(cfg, dims, job)
     checks.experts(cfg, dims, job)
+    if dims.cp > 1:
+        context_parallel(cfg, dims, job)
+
+
+def context_parallel(cfg: Config, dims: ParallelDims, job: Any) -> None:
+    """cp > 1: no pipeline yet, sequence lengths that split into 2 x cp chunks, attention that
+    splits (framework.nn.context)."""
+    from framework.nn import context
+    from framework.strategies.parallel.checks import model_of
+
+    if dims.pp > 1:
+        raise ConfigError(
+            "strategy.cp", dims.cp, "context parallel does not compose with a pipeline yet", [1]
+        )
+    context.check_lengths(job.task, dims.cp)
+    context.check_model(model_of(job), dims.cp, cfg.cp_mode, dims.tp)
 
 
 def warn_unused(cfg: Config, dims: ParallelDims) -> None:
@@ -157,7 +187,9 @@ def warn_unused(cfg: Config, dims: ParallelDims) -> None:
         unused += [f for f in PIPELINE_FIELDS if getattr(cfg, f) != defaults[f]]
     if dims.tp == 1:
         unused += [f for f in ("sequence_parallel", "tp_plan") if getattr(cfg, f) != defaults[f]]
-    if dims.data_size == 1:
+    if dims.cp == 1:
+        unused += [f for f in ("cp_mode",) if getattr(cfg, f) != defaults[f]]
+    if dims.shard_size == 1:
         fsdp_fields = ("param_dtype", "reduce_dtype", "shard_modules", "reshard_after_forward")
         unused += [f for f in fsdp_fields if getattr(cfg, f) != defaults[f]]
     if unused:
@@ -184,9 +216,7 @@ def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
 def describe(cfg: Config, world: World | None) -> str:
     if world is not None:
         return dims_of(cfg, world.world_size).describe()
-    degrees = [
-        f"{k}={getattr(cfg, k)}" for k in ("pp", "dp", "fsdp", "tp", "ep") if getattr(cfg, k) != 1
-    ]
+    degrees = [f"{k}={getattr(cfg, k)}" for k in DEGREES if getattr(cfg, k) != 1]
     return f"parallel({', '.join(degrees)})"
 
 
@@ -206,7 +236,7 @@ def saves_async(cfg: Config, world: World) -> bool:
 
 def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
     """FSDP gathers the parameters again for backward: 3 x the shards times the data ranks."""
-    n = dims_of(cfg, world.world_size).data_size
+    n = dims_of(cfg, world.world_size).shard_size
     return 3 * grads * n if n > 1 else 0
 
 
