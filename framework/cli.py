@@ -22,6 +22,11 @@ usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]   train (-m: o
                                                   memory per rank and first-step failures of
                                                   the job, for any process count, in this process
        fw plan --gpus N --gpu-mem SIZE|GPU [KEY=VALUE ...]   the layouts that fit, best first
+       fw plan --gpus N --gpu NAME|--hardware FILE [--tokens T] [--price-per-gpu-hour P]
+               [--sort time|cost|simplicity] [--json] [--measure K] [KEY=VALUE ...]
+                                                  ... with predicted step time, tokens/s, MFU,
+                                                  hours and cost
+       fw calibrate [--out FILE] [--processes N]          measure this machine for fw plan
        fw prepare [--workers N] [--engine local|ray] [KEY=VALUE ...]
                                                   encode the task's data once (e.g. into
                                                   task.data.prepared), resumable
@@ -62,13 +67,35 @@ memory) and print each rank's memory: parameters, gradients, optimizer, activati
   --config-dir DIR    another directory of config groups
 """,
     "plan": """\
-usage: fw plan --gpus N --gpu-mem SIZE|GPU [--config-dir DIR] [KEY=VALUE ...]
+usage: fw plan --gpus N (--gpu-mem SIZE|GPU | --gpu NAME | --hardware FILE) [--tokens T]
+               [--price-per-gpu-hour P] [--sort time|cost|simplicity] [--json] [--measure K]
+               [--config-dir DIR] [KEY=VALUE ...]
 
 List the layouts (fsdp x tp x pp ...) of the job over N GPUs that fit in each GPU's memory,
-best first, each checked as `fw check` would.
-  --gpus N            the number of GPUs
-  --gpu-mem SIZE|GPU  the memory of one GPU (80GB, H100, ...)
-  --config-dir DIR    another directory of config groups
+each checked as `fw check` would; with a device, each with its predicted step time, tokens/s
+(total and per GPU), MFU, and hours and cost (see docs/preflight.md).
+  --gpus N                 the number of GPUs
+  --gpu-mem SIZE|GPU       the memory of one GPU (80GB, H100, ...; default: the device's)
+  --gpu NAME               predict for this GPU: H100 SXM, H100 PCIe, H200, A100 SXM 80GB,
+                           B200, L40S (H100 and A100 name the SXM parts)
+  --hardware FILE          predict for the machine `fw calibrate` measured into FILE
+  --tokens T               hours to train T tokens (e.g. 1e12)
+  --price-per-gpu-hour P   cost of those hours on N GPUs
+  --sort time|cost|simplicity   the order (default time: the most tokens per second first)
+  --json                   print a list of objects (overrides, step_s, tokens_per_s, mfu,
+                           memory_gib, hours, cost, ...)
+  --measure K              run the first K layouts here for a few steps (fw train) and show
+                           measured next to predicted
+  --config-dir DIR         another directory of config groups
+""",
+    "calibrate": """\
+usage: fw calibrate [--out FILE] [--processes N]
+
+Measure this machine for `fw plan --hardware FILE`: matmul TFLOP/s by dtype, memory bandwidth,
+the cost of one operation, and all-reduce latency and bandwidth over the backend `fw train` uses
+here, in N processes (default 2) started with torch's launcher.
+  --out FILE        where to write it (default: calibration.json)
+  --processes N     processes to measure with (default 2)
 """,
     "prepare": """\
 usage: fw prepare [--workers N] [--engine local|ray] [--config-dir DIR] [KEY=VALUE ...]
@@ -212,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             from framework.preflight import plan_command
 
             return plan_command(rest, parse_args)
+        if command == "calibrate":
+            from framework.preflight.calibrate import calibrate_command
+
+            return calibrate_command(rest)
         trust = command == "train" and "--trust" in rest
         multirun, dirs, overrides, want_help = parse_args([w for w in rest if w != "--trust"])
         if command == "train":
@@ -233,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             "command",
             command,
             "unknown command",
-            ["train", "sweep", "prepare", "check", "plan", "config", "export", "plot"],
+            ["train", "sweep", "prepare", "check", "plan", "calibrate", "config", "export", "plot"],
         )
     except ConfigError as err:
         from framework.secrets import redact_text

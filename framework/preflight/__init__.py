@@ -58,33 +58,8 @@ __all__ = ["check_command", "plan_command", "take_option"]
 
 
 def plan_command(args: list[str], parse) -> int:
-    """`fw plan --gpus N [--gpu-mem SIZE|GPU] OVERRIDES`: the layouts that fit, best first."""
-    import sys
+    """`fw plan --gpus N [--gpu NAME | --hardware FILE | --gpu-mem SIZE] [--tokens T]
+    [--price-per-gpu-hour P] [--sort time|cost|simplicity] [--json] [--measure K] OVERRIDES`."""
+    from framework.preflight.plan import plan_command as run
 
-    from framework.preflight.plan import plan, table
-
-    gpus, args = take_option(args, "--gpus")
-    gpu_mem, args = take_option(args, "--gpu-mem")
-    if gpus is None or not gpus.isdigit():
-        raise ConfigError("--gpus", gpus, "needs the number of GPUs, e.g. --gpus 8")
-    if gpu_mem is None:
-        raise ConfigError("--gpu-mem", None, "needs the memory of one GPU, e.g. 80GB or H100")
-    from framework.perf import parse_memory
-
-    parse_memory("--gpu-mem", gpu_mem)  # else every layout is left out for it: "nothing fits"
-    multirun, dirs, overrides, _ = parse(args)
-    if multirun:
-        raise ConfigError("-m", "multirun", "fw plan plans one job; give one value per key")
-    from framework.config.compose import compose_config
-
-    compose_config(overrides, dirs)  # a misspelled key is named here, not left out of each layout
-    options, refused = plan(overrides, int(gpus), gpu_mem, dirs)
-    sys.stdout.write(table(options, refused, overrides, int(gpus)) + "\n")
-    if not options:
-        raise ConfigError(
-            "--gpu-mem",
-            gpu_mem,
-            f"no layout of the job over {gpus} GPUs passes fw check and fits (reasons above)",
-            hint="Add GPUs, lower the per-rank batch, or turn on trainer.activation_checkpointing.",
-        )
-    return 0
+    return run(args, parse)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -47,6 +48,7 @@ class Option:
     overrides: list[str]
     report: CheckReport
     comm_bytes: float
+    prediction: Any = None  # its step on the device (framework.preflight.perf.Prediction)
 
     @property
     def worst(self) -> RankMemory:
@@ -78,12 +80,14 @@ def layouts(gpus: int, tp_limit: int) -> list[tuple[str, list[str]]]:
     return found
 
 
-def world_overrides(gpus: int) -> list[str]:
-    per_node = min(gpus, GPUS_PER_NODE)
+def world_overrides(
+    gpus: int, accelerator: str = "gpu", per_node: int = GPUS_PER_NODE
+) -> list[str]:
+    per_node = min(gpus, per_node)
     if gpus % per_node:
-        raise ConfigError("--gpus", gpus, f"is not a multiple of {GPUS_PER_NODE} GPUs per node")
+        raise ConfigError("--gpus", gpus, f"is not a multiple of {per_node} GPUs per node")
     return [
-        "trainer.accelerator=gpu",
+        f"trainer.accelerator={accelerator}",
         f"trainer.devices={per_node}",
         f"trainer.num_nodes={gpus // per_node}",
     ]
@@ -94,16 +98,20 @@ def plan(
     gpus: int,
     gpu_mem: str,
     extra_dirs: list[Path] | None = None,
+    device: Any = None,
 ) -> tuple[list[Option], list[tuple[str, str]]]:
-    """The layouts that pass `fw check` (best first) and the refused ones with their reason."""
+    """The layouts that pass `fw check` (simplest first) and the refused ones with their reason;
+    with a `device` (framework.preflight.hardware.Device) each option carries its predicted
+    step (framework/preflight/perf.py)."""
     if gpus < 1:
         raise ConfigError("--gpus", gpus, "must be at least 1")
     keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[-1] for o in overrides}
     for key in ("trainer.devices", "trainer.num_nodes", "trainer.accelerator"):
         if key in keys:
             raise ConfigError(key, "given", "fw plan chooses it; leave it out of the overrides")
-    world = world_overrides(gpus)
-    candidates = layouts(gpus, min(gpus, GPUS_PER_NODE))
+    per_node = device.gpus_per_node if device is not None else GPUS_PER_NODE
+    world = world_overrides(gpus, device.accelerator if device else "gpu", per_node)
+    candidates = layouts(gpus, min(gpus, per_node))
     if "strategy" in keys:  # the one strategy named, e.g. one of the user's own
         candidates = [(keys["strategy"], [])]
     options, refused = [], []
@@ -121,31 +129,104 @@ def plan(
             continue
         options.append(Option(order, name, layout, report, comm_bytes(report.config, report)))
     options.sort(key=lambda o: o.order)  # the simplest layout that fits comes first
+    if device is not None and options:
+        predict_all(options, device, per_node)
     return options, refused
+
+
+def predict_all(options: list[Option], device: Any, per_node: int) -> None:
+    """Each option's predicted step on `device`; the replica's work is counted once (the
+    layouts differ in strategy only, not in the per-rank batch or the model)."""
+    from framework.preflight.check import first_batch
+    from framework.preflight.perf import count_replica, predict
+
+    first = options[0].report
+    work = count_replica(first.config, first_batch(first.config, first.world))
+    for o in options:
+        o.prediction = predict(work, layout_facts(o.report, per_node), device)
 
 
 def comm_bytes(cfg: DictConfig, report: CheckReport) -> float:
     """Bytes one rank sends per optimizer step under this layout (see the module docstring)."""
+    return float(sum(traffic(cfg, report).values()))
+
+
+def degrees_of(report: CheckReport) -> Any:
+    """The layout's degrees on one mesh (None: a whole replica per process)."""
+    from framework.plugins import capability
+
+    return capability(report.plugin, "mesh_dims")(report.strategy, report.world)
+
+
+def traffic(cfg: DictConfig, report: CheckReport) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step, by the group that sends them: `data` (the
+    plugin's data-parallel bytes), `tensor`, `pipeline`, `experts` (the module docstring)."""
     from framework.plugins import capability
 
     plugin, strategy, world = report.plugin, report.strategy, report.world
-    dims = capability(plugin, "mesh_dims")(strategy, world)
+    dims = degrees_of(report)
     degrees = {"pp": dims.pp, "tp": dims.tp} if dims is not None else {"pp": 1, "tp": 1}
     grads = max(r.grads for r in report.ranks)  # this rank's share of the gradients
     params = max(r.params for r in report.ranks)
     data = capability(plugin, "data_traffic")(strategy, world, grads, params)
     model = dict(cfg.task.model)
-    rows, seq = int(cfg.task.data.get("batch_size", 0)), int(model.get("block_size", 0))
-    width, n_layer = int(model.get("n_embd", 0)), int(model.get("n_layer", 0))
-    act = rows * seq * width * (2 if "16" in str(cfg.trainer.precision) else 4)
-    sent = data
+    act = activation_bytes(cfg)
+    n_layer = int(model.get("n_layer", 0))
+    sent = {"data": float(data), "tensor": 0.0, "pipeline": 0.0, "experts": 0.0}
     if degrees["tp"] > 1:
-        sent += 4 * act * n_layer / degrees["pp"]
+        sent["tensor"] = 4 * act * n_layer / degrees["pp"]
     if degrees["pp"] > 1:
-        sent += 2 * act
+        sent["pipeline"] = 2 * act
     if "num_experts" in model:
-        sent += 4 * act * int(model.get("top_k", 1)) * n_layer / degrees["pp"]
-    return float(sent)
+        sent["experts"] = 4 * act * int(model.get("top_k", 1)) * n_layer / degrees["pp"]
+    return sent
+
+
+def activation_bytes(cfg: DictConfig) -> int:
+    """b x s x h of the per-rank batch, in the precision's bytes (2 under 16-bit, else 4)."""
+    model = dict(cfg.task.model)
+    rows, seq = int(cfg.task.data.get("batch_size", 0)), int(model.get("block_size", 0))
+    width = int(model.get("n_embd", 0))
+    return rows * seq * width * (2 if "16" in str(cfg.trainer.precision) else 4)
+
+
+def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
+    """What the performance model (framework/preflight/perf.py) needs of one checked layout:
+    degrees, group sizes, which groups cross nodes, bytes by group, collectives per step, the
+    schedule, and the worst rank's model states."""
+    cfg, world = report.config, report.world
+    dims = degrees_of(report)
+    n = world.world_size
+    data_ranks = report.plugin.data_parallel(report.strategy, world)[1]
+    tp = dims.tp if dims is not None else 1
+    pp = dims.pp if dims is not None else 1
+    ep = dims.ep if dims is not None else 1
+    micro = int(getattr(report.strategy, "microbatches", 1)) if pp > 1 else 1
+    virtual = int(getattr(report.strategy, "virtual_stages", 1)) if pp > 1 else 1
+    n_layer = int(dict(cfg.task.model).get("n_layer", 0))
+    many = n > per_node
+    worst = report.worst
+    return {
+        "tp": tp,
+        "pp": pp,
+        "precision": str(cfg.trainer.precision),
+        "data_ranks": data_ranks,
+        "microbatches": micro,
+        "virtual_stages": virtual,
+        "traffic": traffic(cfg, report),
+        "group_sizes": {"data": data_ranks, "tensor": tp, "experts": ep, "pipeline": pp},
+        # ranks are laid out pp, dp, fsdp, tp (tp innermost): a tensor group is adjacent
+        "spans_nodes": {
+            "data": many and data_ranks > 1 and n // pp > per_node,
+            "tensor": tp > per_node,
+            "experts": ep * tp > per_node,
+            "pipeline": many and n // pp >= per_node,
+        },
+        "tensor_collectives": 4 * max(1, n_layer // pp) * micro,
+        "expert_collectives": 4 * max(1, n_layer // pp) * micro,
+        "pipeline_sends": 2 * micro * virtual,
+        "state_bytes": {"params": worst.params, "grads": worst.grads, "optimizer": worst.optimizer},
+    }
 
 
 def table(options: list[Option], refused: list[tuple[str, str]], base: list[str], gpus: int) -> str:
@@ -172,3 +253,186 @@ def table(options: list[Option], refused: list[tuple[str, str]], base: list[str]
         lines.append("Left out:")
         lines += [f"  {name}: {why}" for name, why in refused]
     return "\n".join(lines)
+
+
+SORTS = ("time", "cost", "simplicity")
+WITHIN = 0.05  # the recommendation: the simplest layout within 5% of the best time
+
+
+def predicted_rows(
+    options: list[Option], base: list[str], gpus: int, tokens: float | None, price: float | None
+) -> list[dict[str, Any]]:
+    """One record per predicted option (the keys `fw plan --json` prints), simplest first."""
+    found = []
+    for o in options:
+        p = o.prediction
+        hours = tokens / p.tokens_per_s / 3600 if tokens else None
+        found.append(
+            {
+                "layout": o.name,
+                "overrides": [*base, *o.overrides],
+                "order": o.order,
+                "step_s": p.step_s,
+                "tokens_per_s": p.tokens_per_s,
+                "tokens_per_s_per_device": p.tokens_per_s / gpus,
+                "mfu": p.mfu,
+                "memory_gib": o.worst.total / 2**30,
+                "hours": hours,
+                "cost": hours * gpus * price if hours is not None and price is not None else None,
+                "dominant": p.dominant,
+                "terms_s": {
+                    "compute": p.compute_s,
+                    "communication": p.comm_s,
+                    "bubble": p.bubble_s,
+                    "optimizer": p.optimizer_s,
+                    "data": p.data_s,
+                },
+            }
+        )
+    return found
+
+
+def ranked(rows: list[dict[str, Any]], sort: str) -> list[dict[str, Any]]:
+    """The rows in `sort` order, the recommended one marked (`recommended`: True)."""
+    if sort not in SORTS:
+        raise ConfigError("--sort", sort, "is not a sort order", list(SORTS))
+    if not rows:
+        return rows
+    # time is time per token: the layouts' steps take different numbers of tokens
+    best = max(r["tokens_per_s"] for r in rows)
+    near = [r for r in rows if r["tokens_per_s"] * (1 + WITHIN) >= best]
+    chosen = min(near, key=lambda r: r["order"])
+    for r in rows:
+        r["recommended"] = r is chosen
+    if sort == "simplicity":
+        key = lambda r: r["order"]  # noqa: E731
+    elif sort == "cost" and all(r["cost"] is not None for r in rows):
+        key = lambda r: (r["cost"], r["order"])  # noqa: E731
+    else:  # cost without a price orders as time: GPU-hours follow the step time
+        key = lambda r: (-r["tokens_per_s"], r["order"])  # noqa: E731
+    return sorted(rows, key=key)
+
+
+def time_table(rows: list[dict[str, Any]], refused, device, gpus: int, world: str) -> str:
+    """The predicted layouts as a table, the recommended one marked `*`."""
+    lines = [
+        f"Layouts of the job over {gpus} x {device.name} that pass fw check, predicted "
+        f"(* recommended: the simplest within {WITHIN:.0%} of the best time):"
+    ]
+    head = ("", "layout", "step s", "tokens/s", "per GPU", "MFU", "GiB", "hours", "cost",
+            "bound by", "command")  # fmt: skip
+    table_rows = [head]
+    for i, r in enumerate(rows):
+        table_rows.append(
+            (
+                "*" if r["recommended"] else str(i + 1),
+                r["layout"],
+                f"{r['step_s']:.4g}",
+                f"{r['tokens_per_s']:.4g}",
+                f"{r['tokens_per_s_per_device']:.4g}",
+                f"{100 * r['mfu']:.1f}%",
+                f"{r['memory_gib']:.2f}",
+                "-" if r["hours"] is None else f"{r['hours']:.4g}",
+                "-" if r["cost"] is None else f"{r['cost']:,.0f}",
+                r["dominant"],
+                " ".join(["fw", "train", *r["overrides"], world]),
+            )
+        )
+    widths = [max(len(r[i]) for r in table_rows) for i in range(len(head))]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table_rows
+    ]
+    if not rows:
+        lines.append("  none fits")
+    if refused:
+        lines.append("Left out:")
+        lines += [f"  {name}: {why}" for name, why in refused]
+    return "\n".join(lines)
+
+
+def positive(key: str, text: str | None) -> float | None:
+    """A number above zero from the command line (None when not given), else ConfigError."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(key, text, "is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(key, text, "must be a number above zero")
+    return value
+
+
+def plan_command(args: list[str], parse) -> int:
+    """`fw plan`: the layouts that fit, and with a device (`--gpu`, `--hardware`) their
+    predicted step time, throughput, MFU, hours for `--tokens` and cost."""
+    import json
+    import sys
+
+    from framework.perf import parse_memory
+    from framework.preflight import take_option
+    from framework.preflight.hardware import known_device, read_calibration
+
+    values = {}
+    for name in ("--gpus", "--gpu-mem", "--gpu", "--hardware", "--tokens",
+                 "--price-per-gpu-hour", "--sort", "--measure"):  # fmt: skip
+        values[name], args = take_option(args, name)
+    as_json = "--json" in args
+    args = [a for a in args if a != "--json"]
+    gpus, gpu_mem = values["--gpus"], values["--gpu-mem"]
+    if gpus is None or not gpus.isdigit():
+        raise ConfigError("--gpus", gpus, "needs the number of GPUs, e.g. --gpus 8")
+    if values["--gpu"] and values["--hardware"]:
+        raise ConfigError("--hardware", values["--hardware"], "give --gpu or --hardware, not both")
+    device = None
+    if values["--gpu"] is not None:
+        device = known_device(values["--gpu"])
+    elif values["--hardware"] is not None:
+        device = read_calibration(values["--hardware"])
+    tokens = positive("--tokens", values["--tokens"])
+    price = positive("--price-per-gpu-hour", values["--price-per-gpu-hour"])
+    sort = values["--sort"] or "time"
+    if sort not in SORTS:
+        raise ConfigError("--sort", sort, "is not a sort order", list(SORTS))
+    measure = values["--measure"]
+    if measure is not None and (not measure.isdigit() or int(measure) < 1):
+        raise ConfigError("--measure", measure, "needs how many layouts to run, e.g. --measure 3")
+    if device is None and (as_json or tokens or price or measure or values["--sort"]):
+        raise ConfigError(
+            "--gpu", None, "predictions need a device: --gpu NAME or --hardware FILE",
+            hint="e.g. --gpu H100, or measure this machine with `fw calibrate --out FILE`.",
+        )  # fmt: skip
+    if gpu_mem is None and device is not None:
+        gpu_mem = f"{device.memory_gib}GiB"
+    if gpu_mem is None:
+        raise ConfigError("--gpu-mem", None, "needs the memory of one GPU, e.g. 80GB or H100")
+    parse_memory("--gpu-mem", gpu_mem)  # else every layout is left out for it: "nothing fits"
+    multirun, dirs, overrides, _ = parse(args)
+    if multirun:
+        raise ConfigError("-m", "multirun", "fw plan plans one job; give one value per key")
+    from framework.config.compose import compose_config
+
+    compose_config(overrides, dirs)  # a misspelled key is named here, not left out of each layout
+    options, refused = plan(overrides, int(gpus), gpu_mem, dirs, device)
+    if device is None:
+        sys.stdout.write(table(options, refused, overrides, int(gpus)) + "\n")
+    else:
+        rows = ranked(predicted_rows(options, overrides, int(gpus), tokens, price), sort)
+        per_node = device.gpus_per_node
+        world = " ".join(world_overrides(int(gpus), device.accelerator, per_node))
+        if measure is not None:
+            from framework.preflight.measure import measure_rows
+
+            measure_rows(rows[: int(measure)], world.split(), dirs)
+        if as_json:
+            sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        else:
+            sys.stdout.write(time_table(rows, refused, device, int(gpus), world) + "\n")
+    if not options:
+        raise ConfigError(
+            "--gpu-mem",
+            gpu_mem,
+            f"no layout of the job over {gpus} GPUs passes fw check and fits (reasons above)",
+            hint="Add GPUs, lower the per-rank batch, or turn on trainer.activation_checkpointing.",
+        )
+    return 0

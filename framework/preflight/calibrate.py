@@ -1,0 +1,147 @@
+"""`fw calibrate [--out FILE] [--processes N]`: measure this machine into a file `fw plan
+--hardware FILE` reads (framework/preflight/hardware.py's Device, marked as a calibration).
+
+N processes (2 by default) are started with torch's launcher (`torch.distributed.run`, as
+torchrun), on the backend `fw train` would use here (gloo on the CPU), each with the threads a
+worker of an N-process job gets (framework/worker.py: the cores shared out). Measured at the same
+time in every process, as the job's ranks compete for the cores: matmul FLOP/s by dtype, the
+memory bandwidth of a large copy, the host cost of one small operation; then the all-reduce time
+by message size, from which the latency (the smallest message) and the bus bandwidth (the
+largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken. The figures are
+the machine's reachable rates, so the efficiency is 1. Communication and compute share the CPU's
+cores, so no traffic is taken to hide behind compute (overlap 0).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from framework.errors import ConfigError
+
+MATMUL = 512  # square matmuls of this size: a small transformer's per-rank shapes
+SIZES = [2**k for k in range(10, 25, 2)]  # all-reduce bytes: 1 KiB .. 16 MiB
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def calibrate_command(args: list[str]) -> int:
+    from framework.preflight import take_option
+
+    out, args = take_option(args, "--out")
+    processes, args = take_option(args, "--processes")
+    if args:
+        raise ConfigError(
+            "option", args[0], "unknown option of fw calibrate", ["--out", "--processes"]
+        )
+    n = processes or "2"
+    if not n.isdigit() or int(n) < 2:
+        raise ConfigError("--processes", n, "needs at least 2 processes to measure collectives")
+    target = Path(out or "calibration.json").resolve()
+    if not target.parent.is_dir():
+        raise ConfigError("--out", out, "its directory does not exist")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+        "-m", "framework.preflight.calibrate", str(target),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run(command, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"fw calibrate: the measuring processes failed ({done.returncode})")
+    sys.stdout.write(f"Wrote {target}\n")
+    return 0
+
+
+def best_time(run, repeats: int = 5) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def compute_rates(torch) -> dict:
+    rates = {}
+    for name, dtype in DTYPES.items():
+        a = torch.randn(MATMUL, MATMUL, dtype=getattr(torch, dtype))
+        b = torch.randn(MATMUL, MATMUL, dtype=getattr(torch, dtype))
+        seconds = best_time(lambda a=a, b=b: [a @ b for _ in range(4)]) / 4
+        rates[name] = 2 * MATMUL**3 / seconds / 1e12
+    big = torch.ones(2**24)  # 64 MiB: past the caches
+    copy = torch.empty_like(big)
+    seconds = best_time(lambda: copy.copy_(big))
+    small = torch.ones(8)
+    ops = best_time(lambda: [small.add(1) for _ in range(1000)]) / 1000
+    return {"tflops": rates, "copy_gb_per_s": 2 * big.numel() * 4 / seconds / 1e9, "op_s": ops}
+
+
+def allreduce_times(torch, dist) -> dict[int, float]:
+    found = {}
+    for size in SIZES:
+        x = torch.ones(size // 4)
+
+        def run(x=x):
+            for _ in range(4):
+                dist.all_reduce(x)
+
+        dist.barrier()
+        found[size] = best_time(run) / 4
+    return found
+
+
+def measure(out: str) -> None:
+    """One measuring process (started by torch's launcher); rank 0 writes `out`."""
+    import torch
+    import torch.distributed as dist
+
+    from framework.preflight.hardware import Device, Link, write_calibration
+
+    n = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))  # as framework/worker.py
+    dist.init_process_group("gloo")
+    dist.barrier()
+    local = compute_rates(torch)
+    times = allreduce_times(torch, dist)
+    gathered = [None] * n
+    dist.all_gather_object(gathered, local)
+    if dist.get_rank() == 0:
+        slowest = {k: min(g["tflops"][k] for g in gathered) for k in DTYPES}
+        copy = min(g["copy_gb_per_s"] for g in gathered)
+        op = max(g["op_s"] for g in gathered)
+        largest = max(times)
+        bus = 2 * (n - 1) / n * largest / times[largest] / 1e9
+        latency = min(t for size, t in times.items() if size <= 2**14)  # a few KiB: latency only
+        link = Link("gloo over loopback", bus, latency)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        device = Device(
+            name=f"this machine ({n} processes, {torch.get_num_threads()} threads each)",
+            tflops=slowest,
+            memory_gib=round(memory, 1),
+            hbm_gb_per_s=copy,
+            efficiency=1.0,
+            intra=link,
+            inter=link,
+            gpus_per_node=4096,  # one machine: every process on it
+            op_overhead_s=op,
+            overlap=0.0,
+            accelerator="cpu",
+            measured={
+                "processes": n,
+                "threads": torch.get_num_threads(),
+                "matmul_size": MATMUL,
+                "allreduce_s_by_bytes": {str(k): v for k, v in times.items()},
+                "per_process": gathered,
+                "load_average": os.getloadavg()[0],
+            },
+        )
+        write_calibration(device, Path(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    measure(sys.argv[1])

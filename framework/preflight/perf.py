@@ -1,0 +1,245 @@
+"""The step time `fw plan` predicts for one layout on one device (framework/preflight/hardware.py).
+
+step = compute + exposed communication + pipeline bubble + optimizer step + data wait, where
+
+- compute: the rank's FLOPs over (the matmul peak in the step's dtype x the device class's
+  efficiency), plus the bytes that operations without a FLOP formula (norms, activations,
+  residual adds, casts) read and write over the memory bandwidth; on a device that launches
+  work ahead of the host (a GPU) the host's launch cost per operation only matters when it is
+  the longer of the two, on the CPU it adds. The FLOPs and bytes are counted, once per plan,
+  on one whole replica's step on the per-rank batch with fake tensors, with the counter
+  `callbacks.throughput` uses (`framework.perf.flop_counter`'s formulas); a rank computes 1/(tp
+  x pp) of it (tensor parallel splits every matmul, a pipeline the layers).
+- communication: the bytes per collective the plan lists (plan.traffic: the plugin's
+  data-parallel bytes, 4bsh per layer for tensor parallel, 2bsh per stage boundary, the
+  experts' all-to-all), each over the link its group crosses (tensor parallel ranks are
+  adjacent and stay within a node; a data-parallel group crosses nodes once a pipeline
+  position spans more than one node), plus a latency per collective. Data-parallel traffic
+  (DDP's bucketed all-reduce, FSDP's and ZeRO's prefetched gathers) hides behind compute except
+  its last bucket; tensor parallel's all-reduces and the experts' all-to-all block.
+- bubble: the schedule's idle share, compute x (p - 1) / (v x m) for p stages, m microbatches
+  and v stages per rank (gpipe and 1f1b: v = 1).
+- optimizer step: memory-bound, the rank's parameters, gradients and optimizer state read and
+  the parameters and state written again, over the memory bandwidth.
+- data wait: 0 unless the calibration measured one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from framework.preflight.hardware import Device
+
+log = logging.getLogger("framework.preflight")
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket; FSDP's units are of that order too
+
+
+@dataclass
+class Work:
+    """What one whole replica computes in one optimizer step on the per-rank batch."""
+
+    flops: float
+    other_bytes: float  # read and written by operations without a FLOP formula
+    ops: int  # operations launched
+    tokens: int  # token ids in the batch (0 when the input is not token ids)
+    rows: int
+    counted: str = "fake tensors"  # or how else the figures were found
+
+
+@dataclass
+class Prediction:
+    """One layout's predicted step on one device, in seconds, and what follows from it."""
+
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    optimizer_s: float
+    data_s: float
+    rank_flops: float
+    tokens_per_step: float
+    peak_flops: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.bubble_s + self.optimizer_s + self.data_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.rank_flops / self.step_s / self.peak_flops
+
+    @property
+    def dominant(self) -> str:
+        terms = {
+            "compute": self.compute_s,
+            "communication": self.comm_s,
+            "bubble": self.bubble_s,
+            "optimizer": self.optimizer_s,
+            "data": self.data_s,
+        }
+        return max(terms, key=terms.get)
+
+
+def counting_mode():
+    """A dispatch mode that counts FLOPs (torch's formulas, as `framework.perf.flop_counter`),
+    the bytes other operations touch and the operations launched."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import flop_registry
+
+    from framework.perf import count_cpu_attention
+
+    count_cpu_attention()
+    free = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach", "alias",
+            "as_strided", "slice", "select", "unsqueeze", "squeeze", "split", "reshape",
+            "empty", "zeros_like", "ones_like", "zero_", "fill_", "empty_like", "unbind",
+            "split_with_sizes", "_to_copy", "lift_fresh"}  # fmt: skip
+
+    class Counting(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flops = self.bytes = 0
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            packet = func._overloadpacket
+            formula = flop_registry.get(packet)
+            self.ops += 1
+            if formula is not None:
+                self.flops += formula(*args, **kwargs, out_val=out)
+            elif packet.__name__ not in free:
+                tensors = [t for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t)]
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    return Counting()
+
+
+def count_replica(cfg, batch, max_real_params: float = 5e7) -> Work:
+    """One whole replica's optimizer step (forward, backward, with the job's activation
+    checkpointing and precision) counted on fake tensors; a model whose shapes depend on the
+    data (routed experts) is counted on real tensors when small, else estimated at 6 FLOPs per
+    parameter and token."""
+    from framework.callbacks._throughput import sizes_in
+    from framework.nn.transforms import ModelTransforms
+    from framework.preflight import simulate as sim
+
+    rows, tokens = sizes_in(batch)
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
+    mode = sim.fake_mode()
+    with sim._quiet_logging():
+        task = sim.build_fake_task(cfg.task, mode, cfg.trainer.precision)
+        ModelTransforms(cfg.trainer.activation_checkpointing, False).apply(task)
+        counter = counting_mode()
+        try:
+            with sim.autocast(cfg.trainer.precision), counter:
+                sim.whole_step(task, sim.fake_batch(mode, batch), False)()
+            how = "fake tensors"
+        except sim.data_dependent():
+            n = sum(p.numel() for p in task.parameters())
+            counter, how = real_count(cfg, batch) if n <= max_real_params else (None, "")
+            if counter is None:
+                return Work(6.0 * n * max(tokens, rows) * accumulate, 0.0, 0, tokens * accumulate,
+                            rows * accumulate, "6 x parameters x tokens (data-dependent shapes)")  # fmt: skip
+    return Work(
+        float(counter.flops) * accumulate,
+        float(counter.bytes) * accumulate,
+        counter.ops * accumulate,
+        tokens * accumulate,
+        rows * accumulate,
+        how,
+    )
+
+
+def real_count(cfg, batch):
+    """The count on real tensors (a small model whose step depends on its data)."""
+    import torch
+
+    from framework.instantiate import build_task
+    from framework.preflight import simulate as sim
+
+    torch.manual_seed(int(cfg.seed))
+    task = build_task(cfg.task)
+    counter = counting_mode()
+    with sim._quiet_logging(), sim.autocast(cfg.trainer.precision), counter:
+        sim.whole_step(task, batch, False)()
+    return counter, "real tensors (data-dependent shapes)"
+
+
+def matmul_dtype(precision: str) -> str:
+    """The dtype the step's matmuls run in under `trainer.precision`."""
+    text = str(precision)
+    if text.startswith("bf16"):
+        return "bf16"
+    if text.startswith("16"):
+        return "fp16"
+    return "fp32"
+
+
+def collective_s(nbytes: float, count: int, ranks: int, link, latency_rounds: bool = True) -> float:
+    """Time of `count` collectives moving `nbytes` in all (ring volume, (N-1)/N applied)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    rounds = max(1, math.ceil(math.log2(ranks))) if latency_rounds else 1
+    return nbytes * (ranks - 1) / ranks / (link.gb_per_s * 1e9) + count * rounds * link.latency_s
+
+
+def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
+    """The step of one rank under `layout` (plan.layout_facts: degrees, groups, bytes, model
+    states, schedule) on `device`."""
+    tp, pp = layout["tp"], layout["pp"]
+    share = tp * pp
+    dtype = matmul_dtype(layout["precision"])
+    peak = device.peak(dtype)
+    flops = work.flops / share
+    busy = flops / (peak * device.efficiency) + work.other_bytes / share / (
+        device.hbm_gb_per_s * 1e9
+    )
+    launch = work.ops / pp * layout["microbatches"] * device.op_overhead_s  # per microbatch
+    compute = max(busy, launch) if device.accelerator != "cpu" else busy + launch
+    bubble = 0.0
+    if pp > 1:
+        bubble = compute * (pp - 1) / (layout["virtual_stages"] * layout["microbatches"])
+    comm = exposed_comm(layout, device, compute)
+    states = layout["state_bytes"]
+    optimizer = (2 * states["params"] + states["grads"] + 2 * states["optimizer"]) / (
+        device.hbm_gb_per_s * 1e9
+    )
+    tokens = (work.tokens or work.rows) * layout["data_ranks"]
+    return Prediction(compute, comm, bubble, optimizer, device.data_wait_s, flops, tokens, peak)
+
+
+def link_of(group: str, layout: dict[str, Any], device: Device):
+    """The link the group's traffic crosses: within a node unless the group spans nodes."""
+    return device.inter if layout["spans_nodes"][group] else device.intra
+
+
+def exposed_comm(layout: dict[str, Any], device: Device, compute_s: float) -> float:
+    traffic, sizes = layout["traffic"], layout["group_sizes"]
+    data = traffic["data"]
+    buckets = max(1, math.ceil(data / BUCKET_BYTES))
+    data_s = collective_s(data, buckets, sizes["data"], link_of("data", layout, device))
+    hidden = min(data_s - data_s / buckets, device.overlap * compute_s)
+    blocking = collective_s(
+        traffic["tensor"], layout["tensor_collectives"], sizes["tensor"],
+        link_of("tensor", layout, device),
+    ) + collective_s(
+        traffic["experts"], layout["expert_collectives"], sizes["experts"],
+        link_of("experts", layout, device),
+    )  # fmt: skip
+    # point to point: the whole volume crosses the link, one latency per send
+    p2p = traffic["pipeline"]
+    link = link_of("pipeline", layout, device)
+    pipe = 0.0
+    if p2p:
+        pipe = p2p / (link.gb_per_s * 1e9) + layout["pipeline_sends"] * link.latency_s
+    return max(0.0, data_s - hidden) + blocking + pipe
