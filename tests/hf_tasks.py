@@ -63,6 +63,14 @@ class PlainQwen2(PlainLlama):
     extra = {"tie_word_embeddings": True}
 
 
+class PlainQwen3(PlainLlama):
+    """The same user task around a dense `Qwen3ForCausalLM`: per-head RMSNorms of the queries
+    and keys (q_norm, k_norm), whose plan style is `replicated_with_grad_allreduce`."""
+
+    family = ("Qwen3Config", "Qwen3ForCausalLM")
+    extra = {"head_dim": 16}
+
+
 class RandomTokens(pl.LightningDataModule):
     """Sequences of random tokens (seed 0), in memory, loaded as Lightning's docs teach."""
 

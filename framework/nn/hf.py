@@ -16,13 +16,31 @@ from torch import nn
 
 from framework.errors import ConfigError
 
-# transformers' style -> the framework's (framework.nn.plan.style) with the same torch
-# ParallelStyle; a style not here is refused before launch rather than applied approximately
+# transformers' style -> the framework's (framework.nn.plan.style) with the same layouts in and
+# out, the same split of the weights and the same gradients; a style not here (nor in WHOLE) is
+# refused before launch rather than applied approximately
 STYLES = {
     "colwise": "colwise",
     "rowwise": "rowwise",
     "colwise_gather_output": "colwise_gather",  # an LM head: logits gathered whole
+    "colwise_rep": "colwise_gather",  # the same layouts under another name
     "embedding_rowwise": "rowwise_embedding",  # split over the vocabulary, output all-reduced
+    "embedding_colwise": "colwise_gather",  # torch's colwise splits an embedding's hidden dim
+    "rowwise_split_input": "rowwise_from_replicated",  # a whole input, sliced on each rank
+    "rowwise_rep": "rowwise_from_replicated",
+    "sequence_parallel": "sequence",
+    "replicated_with_grad_allreduce": "replicated_grad_sum",  # Qwen3's per-head q/k norms
+}
+WHOLE = ("replicate",)  # every rank keeps the module whole: nothing to apply
+# under sequence parallel: the styles of the linears inside a decoder layer's attention and MLP
+IN_LAYER = {
+    "colwise": "colwise",  # its input gathered from the sequence by its parent
+    "replicated_grad_sum": "replicated_grad_sum",
+    "rowwise": "rowwise_scatter_sequence",  # reduce-scattered back over the sequence
+}
+HEAD = {
+    "colwise_gather": "colwise_gather_from_sequence",
+    "colwise_sharded_logits": "colwise_sharded_logits_from_sequence",
 }
 KINDS = {"num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads"}
 
@@ -52,9 +70,12 @@ def plan_patterns(task: nn.Module) -> dict[str, str]:
     return patterns
 
 
-def framework_style(style: str, module: str, is_module: bool = True) -> str:
-    """The framework's name for a transformers style, or a ConfigError naming both (a style
-    given to a parameter rather than a module is never applied)."""
+def framework_style(style: str, module: str, is_module: bool = True) -> str | None:
+    """The framework's name for a transformers style (None: the module stays whole), or a
+    ConfigError naming both (a style given to a parameter rather than a module is never
+    applied)."""
+    if style in WHOLE:
+        return None
     if style in STYLES and is_module:
         return STYLES[style]
     what = "" if is_module else " (a parameter: the framework splits modules)"
@@ -99,3 +120,121 @@ def check_heads(task: nn.Module, tp: int) -> None:
                     hint="Use a tp that divides both num_attention_heads and "
                     "num_key_value_heads, or another strategy.",
                 )
+
+
+def heads(task: nn.Module) -> list[str]:
+    """Names in the task of the modules with parameters that its transformers models hold outside
+    their base model (the LM head), or of a base model held alone."""
+    found: list[str] = []
+    for path, model in models(task):
+        base = getattr(model, "base_model", model)
+        if base is model:
+            found.append(path)
+            continue
+        inner = {id(m) for m in base.modules()}
+        for name, module in model.named_modules():
+            if id(module) not in inner and name and _has_weights(module, recurse=False):
+                found.append(_join(path, name))
+    return found
+
+
+def loss_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The `plan` with the LM heads' logits left split over the vocabulary (torch's
+    loss_parallel computes transformers' cross-entropy on them without gathering them)."""
+    return {
+        k: "colwise_sharded_logits" if v == "colwise_gather" and k in heads(task) else v
+        for k, v in plan.items()
+    }
+
+
+def sequence_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The tensor-parallel `plan` ({module: framework style}) of the task's transformers models
+    made sequence parallel: the residual stream between decoder layers is split over the
+    sequence. The first layer keeps its positions of the hidden states; each layer's norms run on
+    them; its attention and MLP gather them (all-gather) and give them back split (the row-split
+    linear reduce-scatters instead of all-reducing); the final norm runs on them and the head
+    gathers them. Positions, rotary embeddings and masks are made from the whole sequence, as
+    before the layers. A ConfigError names a module this does not cover."""
+    out = dict(plan)
+    for path, model in models(task):
+        base = getattr(model, "base_model", model)
+        base_path = next(_join(path, n) for n, m in model.named_modules() if m is base)
+        layers = _decoder_layers(model, base, base_path)
+        out[layers[0][0]] = "split_sequence_input"
+        for name, layer in layers:
+            for child_name, child in layer.named_children():
+                out.update(_in_layer(f"{name}.{child_name}", child, plan))
+        in_base = [f"{base_path}.{n}" if base_path else n for n, _ in base.named_children()]
+        for name in in_base:
+            module = task.get_submodule(name)
+            if name == layers[0][0].rpartition(".")[0]:  # the list of decoder layers
+                continue
+            if _is_norm(module):
+                out[name] = "sequence"
+            elif _has_weights(module) and not isinstance(module, nn.Embedding):
+                _refuse_sequence(name, "holds weights beside the decoder layers")
+        if base is model:
+            _refuse_sequence(path or type(model).__name__, "has no head to gather the sequence")
+    for name in heads(task):
+        if plan.get(name) not in HEAD and not any(k.startswith(f"{name}.") for k in plan):
+            _refuse_sequence(
+                name, "is a head its plan does not split (it would see only this rank's positions)"
+            )
+        if plan.get(name) in HEAD:
+            out[name] = HEAD[plan[name]]
+    return out
+
+
+def _decoder_layers(model: nn.Module, base: nn.Module, base_path: str):
+    """[(name in the task, layer)] of the base model's decoder layers (its `_no_split_modules`),
+    which must be the items of one list in the base model."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [
+        (_join(base_path, n), m) for n, m in base.named_modules() if type(m).__name__ in classes
+    ]
+    parents = {name.rpartition(".")[0] for name, _ in layers}
+    if not layers or len(parents) != 1 or parents.pop().count(".") != base_path.count(".") + 1:
+        _refuse_sequence(base_path, "has no single list of decoder layers (_no_split_modules)")
+    return layers
+
+
+def _in_layer(name: str, child: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The sequence-parallel styles of one child of a decoder layer and of its split modules."""
+    inside = {k: v for k, v in plan.items() if k.startswith(f"{name}.")}
+    if name in plan:
+        _refuse_sequence(name, f"is split whole ({plan[name]}) inside a decoder layer")
+    if inside:
+        for k, v in inside.items():
+            if v not in IN_LAYER:
+                _refuse_sequence(k, f"has the style {v}, which has no sequence-parallel form here")
+        return {name: "gather_sequence_input", **{k: IN_LAYER[v] for k, v in inside.items()}}
+    if _is_norm(child):
+        return {name: "sequence"}
+    if _has_weights(child):
+        _refuse_sequence(name, "holds weights that its plan does not split")
+    return {}
+
+
+def _has_weights(module: nn.Module, recurse: bool = True) -> bool:
+    return next(module.parameters(recurse=recurse), None) is not None
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A module with weights, all one-dimensional (a norm), and no children."""
+    params = list(module.parameters())
+    return bool(params) and all(p.dim() == 1 for p in params) and not any(module.children())
+
+
+def _refuse_sequence(module: str, problem: str):
+    raise ConfigError(
+        "strategy.sequence_parallel",
+        True,
+        f"the transformers model's module {module} {problem}, which sequence parallel does not "
+        "split over the sequence",
+        ["false"],
+        near="",
+    )
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path and name else path or name

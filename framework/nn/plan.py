@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -20,6 +21,10 @@ STYLES = (
     "colwise_gather_from_sequence",
     "colwise_sharded_logits",
     "colwise_sharded_logits_from_sequence",
+    "split_sequence_input",
+    "gather_sequence_input",
+    "rowwise_from_replicated",
+    "replicated_grad_sum",
 )
 
 
@@ -71,9 +76,92 @@ def style(name: str) -> Any:
             input_layouts=Shard(1), output_layouts=Replicate()
         ),
     }
+    own = _own_styles()
+    makers |= {
+        "split_sequence_input": lambda: own["HiddenStates"](Replicate(), Shard(1), True),
+        "gather_sequence_input": lambda: own["HiddenStates"](Shard(1), Replicate()),
+        "rowwise_from_replicated": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "replicated_grad_sum": lambda: own["ReplicatedGradSum"](),
+    }
     if name not in makers:
         raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLES)}")
     return makers[name]()
+
+
+@functools.cache
+def _own_styles() -> dict[str, type]:
+    """The framework's own ParallelStyles, made once when first asked for (importing this module
+    does not import torch.distributed.tensor)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class HiddenStates(ParallelStyle):
+        """Redistributes a module's hidden states, its first positional argument or its keyword
+        `hidden_states`, from `given` to `wanted` (a DTensor, or its local part)."""
+
+        def __init__(self, given, wanted, use_local_output: bool = False) -> None:
+            self.given, self.wanted, self.use_local_output = given, wanted, use_local_output
+
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            def prepare(_, args, kwargs):
+                if args:
+                    return (self._redistribute(args[0], mesh), *args[1:]), kwargs
+                hidden = self._redistribute(kwargs["hidden_states"], mesh)
+                return args, {**kwargs, "hidden_states": hidden}
+
+            module.register_forward_pre_hook(prepare, with_kwargs=True)
+            return module
+
+        def _redistribute(self, x: torch.Tensor, mesh):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [self.given], run_check=False)
+            if x.shape[1] % mesh.size():
+                raise ValueError(
+                    f"sequence parallel splits each sequence over the tp={mesh.size()} ranks, "
+                    f"and its {x.shape[1]} positions do not split evenly: use a sequence length "
+                    f"that is a multiple of {mesh.size()}"
+                )
+            x = x.redistribute(mesh, [self.wanted])
+            return x.to_local() if self.use_local_output else x
+
+    class ReplicatedGradSum(ParallelStyle):
+        """The module's parameters become replicated DTensors; its forward runs on their local
+        values (plain tensors: no DTensor dispatch) with their gradient marked a partial sum,
+        summed over the ranks once accumulated (FSDP2, when it shards them too, sums it itself:
+        it gives each gradient its parameter's placements first)."""
+
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            for name, param in list(module.named_parameters(recurse=False)):
+                whole = DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)
+                param = nn.Parameter(whole, requires_grad=param.requires_grad)
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(_sum_partial_grad)
+                module.register_parameter(name, param)
+            held: dict[str, torch.Tensor] = {}
+
+            def local(mod, args):
+                for name, p in list(mod._parameters.items()):
+                    if isinstance(p, DTensor):
+                        held[name] = p
+                        mod._parameters[name] = p.to_local(grad_placements=[Partial()])
+
+            def restore(mod, args, output):
+                mod._parameters.update(held)
+                held.clear()
+
+            module.register_forward_pre_hook(local)
+            module.register_forward_hook(restore, always_call=True)
+            return module
+
+    return {"HiddenStates": HiddenStates, "ReplicatedGradSum": ReplicatedGradSum}
+
+
+def _sum_partial_grad(param: torch.Tensor) -> None:
+    from torch.distributed.tensor import Partial, Replicate
+
+    grad = param.grad
+    if grad is not None and any(isinstance(p, Partial) for p in grad.placements):
+        param.grad = grad.redistribute(grad.device_mesh, [Replicate()] * len(grad.placements))
 
 
 def collect_plan(
@@ -89,7 +177,8 @@ def collect_plan(
     A plan maps names relative to its module ("" for the module itself; * wildcards allowed) to a
     ParallelStyle or a style name.
     """
-    plan: dict[str, Any] = {name: style(s) for name, s in hf_plan(model, skip).items()}
+    hf = hf_plan(model, skip, sequence_parallel, loss_parallel)
+    plan: dict[str, Any] = {name: style(s) for name, s in hf.items()}
     for name, module in model.named_modules():
         if not callable(getattr(type(module), "tp_plan", None)):
             continue
@@ -99,10 +188,16 @@ def collect_plan(
     return plan
 
 
-def hf_plan(model: nn.Module, skip: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+def hf_plan(
+    model: nn.Module,
+    skip: tuple[str, ...] | list[str] = (),
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> dict[str, str]:
     """{module name: framework style} from the plans of the transformers models in `model`, for
     each module of theirs a pattern names (wildcards expanded to real names, so an entry of
-    `strategy.tp_plan` for one layer replaces exactly that layer's), but those `skip` names.
+    `strategy.tp_plan` for one layer replaces exactly that layer's), but those `skip` names;
+    sequence parallel and loss parallel as `hf.sequence_plan` and `hf.loss_plan` make them.
     A transformers style the framework cannot apply is a ConfigError naming it and the module."""
     from framework.nn import hf
 
@@ -120,8 +215,12 @@ def hf_plan(model: nn.Module, skip: tuple[str, ...] | list[str] = ()) -> dict[st
             continue
         for pattern, transformers_style in patterns.items():
             if matches(pattern, name):
-                plan[name] = hf.framework_style(transformers_style, name, name in whole_modules)
-    return plan
+                found = hf.framework_style(transformers_style, name, name in whole_modules)
+                if found:
+                    plan[name] = found
+    if loss_parallel:
+        plan = hf.loss_plan(model, plan)
+    return hf.sequence_plan(model, plan) if sequence_parallel else plan
 
 
 def _plan_of(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:

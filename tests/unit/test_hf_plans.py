@@ -50,8 +50,8 @@ def test_a_config_entry_replaces_the_model_entry_for_its_module_only():
     assert plan["lm.model.layers.1.mlp.up_proj"] == "colwise"
 
 
-def test_a_style_the_framework_cannot_apply_is_refused_naming_it_and_its_module():
-    moe = tiny(
+def qwen3_moe() -> Holder:
+    return tiny(
         transformers.Qwen3MoeForCausalLM,
         transformers.Qwen3MoeConfig,
         hidden_size=32,
@@ -63,12 +63,43 @@ def test_a_style_the_framework_cannot_apply_is_refused_naming_it_and_its_module(
         num_experts=4,
         num_experts_per_tok=2,
     )
-    with pytest.raises(ConfigError, match=r"q_norm with style 'replicated_with_grad_allreduce'"):
-        hf_plan(moe)
-    # with the norms given by the config, the next refusal is the experts'
-    norms = ["lm.model.layers.*.self_attn.q_norm", "lm.model.layers.*.self_attn.k_norm"]
+
+
+def test_a_style_the_framework_cannot_apply_is_refused_naming_it_and_its_module():
     with pytest.raises(ConfigError, match=r"lm.model.layers.0.mlp.experts.*'moe_tp_experts'"):
-        hf_plan(moe, skip=norms)
+        hf_plan(qwen3_moe())
+
+
+def test_qwen3_per_head_norms_keep_their_weights_whole_with_gradients_summed():
+    experts = ["lm.model.layers.*.mlp.experts", "lm.model.layers.*.mlp.experts.*"]
+    plan = hf_plan(qwen3_moe(), skip=experts)
+    assert plan["lm.model.layers.0.self_attn.q_norm"] == "replicated_grad_sum"
+    assert plan["lm.model.layers.0.self_attn.k_norm"] == "replicated_grad_sum"
+
+
+def test_sequence_parallel_splits_the_residual_stream_between_the_decoder_layers():
+    plan = hf_plan(llama(), sequence_parallel=True)
+    layer = "lm.model.layers.1."
+    assert plan["lm.model.layers.0"] == "split_sequence_input"  # the first layer only
+    assert "lm.model.layers.1" not in plan
+    assert plan[layer + "input_layernorm"] == plan[layer + "post_attention_layernorm"] == "sequence"
+    assert plan[layer + "self_attn"] == plan[layer + "mlp"] == "gather_sequence_input"
+    assert plan[layer + "self_attn.q_proj"] == plan[layer + "mlp.up_proj"] == "colwise"
+    assert plan[layer + "self_attn.o_proj"] == "rowwise_scatter_sequence"
+    assert plan[layer + "mlp.down_proj"] == "rowwise_scatter_sequence"
+    assert plan["lm.model.norm"] == "sequence"
+    assert plan["lm.model.embed_tokens"] == "rowwise_embedding"  # before the split
+    assert plan["lm.lm_head"] == "colwise_gather_from_sequence"
+    both = hf_plan(llama(), sequence_parallel=True, loss_parallel=True)
+    assert both["lm.lm_head"] == "colwise_sharded_logits_from_sequence"
+    assert hf_plan(llama(), loss_parallel=True)["lm.lm_head"] == "colwise_sharded_logits"
+
+
+def test_sequence_parallel_is_refused_where_a_module_would_see_only_its_positions():
+    with pytest.raises(ConfigError, match=r"lm.lm_head is a head its plan does not split"):
+        hf_plan(llama(), skip=["lm.lm_head"], sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"layers.0.mlp holds weights that its plan does not"):
+        hf_plan(llama(), skip=["lm.model.layers.0.mlp.*"], sequence_parallel=True)
 
 
 def test_fsdp_and_checkpointing_units_are_the_no_split_blocks_not_every_module_list_member():

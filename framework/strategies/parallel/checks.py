@@ -65,22 +65,15 @@ def tensor_parallel(cfg: Any, dims: ParallelDims, job: Any) -> None:
 
 def transformers_models(cfg: Any, model, tp: int) -> None:
     """The plans of the transformers models in the task (if any) apply as the workers will apply
-    them: every style known (but where strategy.tp_plan replaces it), heads that split evenly,
-    no sequence parallel (their plans split no norm over the sequence)."""
+    them: every style known (but where strategy.tp_plan replaces it), a sequence-parallel form
+    for every module when sequence_parallel is on, heads that split evenly."""
     from framework.nn import hf
     from framework.nn.plan import hf_plan
 
     if not hf.models(model):
         return
-    if cfg.sequence_parallel:
-        raise ConfigError(
-            "strategy.sequence_parallel",
-            True,
-            "is not applied to transformers models yet: their plans split no norm or dropout "
-            "over the sequence",
-            ["false"],
-        )
-    hf_plan(model, skip=[str(e).rpartition(":")[0] for e in cfg.tp_plan])
+    skip = [str(e).rpartition(":")[0] for e in cfg.tp_plan]
+    hf_plan(model, skip, cfg.sequence_parallel, cfg.loss_parallel)
     hf.check_heads(model, tp)
 
 
