@@ -13,6 +13,11 @@ positions only, each all-reduce becomes a reduce-scatter (after the row-split li
 all-gather (before the next column-split one): the same bytes, less activation memory.
 `SequenceSplit` marks where the residual stream enters that region; the LM head gathers it.
 
+Under context parallel (`strategy.cp > 1`) each rank holds chunks of every sequence:
+`parallelize` gives `Attention` and `SequenceSplit` a `context` plan (framework/nn/context.py),
+by which attention reaches the other ranks' keys and values and the position ids follow the
+split.
+
 Each `tp_plan(sequence_parallel)` returns {submodule name: style name (or a torch ParallelStyle)},
 relative to the block itself; the styles are described in `framework.nn.plan.style`.
 """
@@ -25,12 +30,16 @@ from torch import nn
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention; heads are split over the tensor-parallel ranks."""
+    """Causal multi-head self-attention; heads are split over the tensor-parallel ranks, the
+    sequence over the context-parallel ones."""
+
+    context = None  # a framework.nn.context.ContextPlan under context parallel
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_head={n_head} must divide n_embd={n_embd}")
+        self.n_head = n_head
         self.head_dim = n_embd // n_head
         # output features ordered (head, q/k/v, head_dim): a split by columns keeps heads whole
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
@@ -42,8 +51,11 @@ class Attention(nn.Module):
         # -1 heads: all of them on one process, this rank's share under tensor parallelism
         qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim)
         q, k, v = (z.transpose(1, 2) for z in qkv.unbind(dim=3))
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.context is not None and self.context.active:
+            y = self.context.attention(q, k, v, causal=True)
+        else:
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict:
@@ -88,6 +100,14 @@ class SequenceSplit(nn.Identity):
     """
 
     multiple = 1
+    context = None  # a framework.nn.context.ContextPlan under context parallel
+
+    def positions(self, length: int, device) -> torch.Tensor:
+        """Position ids of the `length` positions this rank holds (its chunks under context
+        parallel)."""
+        if self.context is not None and self.context.active:
+            return self.context.positions(length, device)
+        return torch.arange(length, device=device)
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict:
         return {"": "split_sequence"} if sequence_parallel else {}

@@ -58,7 +58,8 @@ class GPT(nn.Module):
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        return self.split(self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device))))
+        positions = self.split.positions(t, idx.device)  # this rank's chunks under cp
+        return self.split(self.drop(self.tok(idx) + self.pos(positions)))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))

@@ -60,6 +60,11 @@ class GPTTask(TaskModule):
             dims["block_size"] = args.get("block_size", 128)
         return dims
 
+    @staticmethod
+    def context_parallel_dims(args: dict) -> dict[str, int]:
+        """Sequence lengths context parallel splits into 2 x cp chunks."""
+        return {"block_size": args.get("block_size", 128)}
+
     def param_groups(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]

@@ -1,0 +1,88 @@
+"""Context-parallel attention (framework/nn/context.py) against attention over the whole
+sequence: each mode's outputs and input gradients, causal and not, with the zigzag split,
+including a sequence of exactly 2 x cp positions; real gloo collectives between processes
+started by torch's multiprocessing spawn."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from framework.nn import context
+
+CASES = [  # (mode, causal, sequence length as a multiple of 2 x cp)
+    (mode, causal, chunks)
+    for mode in context.MODES
+    for causal in (True, False)
+    for chunks in (1, 4)
+]
+
+
+def compare(rank: int, cp: int, store: str, out: str) -> None:
+    """Rank `rank` of `cp`: every case's largest differences from one process's attention."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp)
+    group = dist.group.WORLD
+    errors = {}
+    for mode, causal, chunks in CASES:
+        length = 2 * cp * chunks
+        gen = torch.Generator().manual_seed(length + causal)
+        shape = (2, 4, length, 8)  # (batch, heads, positions, head_dim)
+        q, k, v, weight = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in "qkvw")
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*full, is_causal=causal)
+        (want * weight).sum().backward()
+        plan = context.ContextPlan(mode, group, cp, rank, active=True)
+        index = context.zigzag_index(length, cp, rank)
+
+        def split(t, index=index):  # this rank's positions (dim 2 here)
+            return t.index_select(2, index)
+
+        mine = [split(t).detach().requires_grad_() for t in (q, k, v)]
+        got = plan.attention(*mine, causal=causal)
+        (got * split(weight)).sum().backward()
+        diffs = [(got - split(want)).abs().max().item()]
+        diffs += [
+            (m.grad - split(f.grad)).abs().max().item() for m, f in zip(mine, full, strict=True)
+        ]
+        errors[f"{mode} causal={causal} length={length}"] = max(diffs)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(errors, f)
+    dist.destroy_process_group()
+
+
+def run(cp: int, tmp_path) -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "errors")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(compare, args=(cp, str(tmp_path / "store"), out), nprocs=cp)
+    worst: dict[str, float] = {}
+    for rank in range(cp):
+        with open(f"{out}.{rank}") as f:
+            for case, err in json.load(f).items():
+                worst[case] = max(worst.get(case, 0.0), err)
+    return worst
+
+
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_every_mode_matches_whole_sequence_attention(cp, tmp_path):
+    worst = run(cp, tmp_path)
+    assert len(worst) == len(CASES)
+    bad = {case: err for case, err in worst.items() if not err <= 1e-6}
+    assert not bad, bad
+
+
+def test_zigzag_split_pairs_head_and_tail_chunks():
+    # cp=2, 8 positions: chunks of 2; rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
+    assert context.zigzag_index(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert context.zigzag_index(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(context.zigzag_order(12, 3).tolist()) == list(range(12))
+    with pytest.raises(ValueError, match="2 x cp = 4"):
+        context.zigzag_index(6, 2, 0)
