@@ -402,6 +402,15 @@ def plan_command(args: list[str], parse) -> int:
             "--gpu", None, "predictions need a device: --gpu NAME or --hardware FILE",
             hint="e.g. --gpu H100, or measure this machine with `fw calibrate --out FILE`.",
         )  # fmt: skip
+    if measure is not None and device is not None and device.accelerator == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "--measure", measure, f"runs the layouts here, and this machine has no GPU "
+                f"for --gpu {device.name}",
+                hint="Measure this machine with `fw calibrate --out FILE`, then --hardware FILE.",
+            )  # fmt: skip
     if gpu_mem is None and device is not None:
         gpu_mem = f"{device.memory_gib}GiB"
     if gpu_mem is None:
@@ -428,6 +437,10 @@ def plan_command(args: list[str], parse) -> int:
             sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         else:
             sys.stdout.write(time_table(rows, refused, device, int(gpus), world) + "\n")
+            if measure is not None:
+                from framework.preflight.measure import comparison
+
+                sys.stdout.write(comparison(rows) + "\n")
     if not options:
         raise ConfigError(
             "--gpu-mem",
