@@ -274,16 +274,13 @@ def ulysses_attention(q, k, v, causal, group, size) -> torch.Tensor:
 # ---- checks before launch (in the fw process)
 
 
-def check_lengths(task_cfg: Any, cp: int) -> None:
+def check_lengths(task_class: type, model_args: dict, cp: int) -> None:
     """The sequence lengths the task names (its `context_parallel_dims`) split into 2 x cp
     chunks."""
-    from framework.config.validate import import_target
-
-    target = import_target("task._target_", task_cfg._target_)
-    lengths = getattr(target, "context_parallel_dims", None)
+    lengths = getattr(task_class, "context_parallel_dims", None)
     if lengths is None:
         return
-    for key, value in lengths(dict(task_cfg.get("model", {}))).items():
+    for key, value in lengths(model_args).items():
         if value % (2 * cp):
             raise ConfigError(
                 f"task.model.{key}",
