@@ -3,7 +3,9 @@
 1. pipeline cut (pp > 1): this rank keeps only its stages' layers;
 2. tensor-parallel plans on the `tp` view (tp > 1);
 3. expert parallel on the `ep` view (ep > 1): each rank keeps its share of every MoE layer's
-   experts (framework/parallel/experts.py);
+   experts (framework/parallel/experts.py); context parallel on the `cp` view (cp > 1): the
+   attention modules get the plan by which they reach the other chunks of their sequences
+   (framework/nn/context.py; no parameter changes);
 4. activation checkpointing and compile, per block;
 5. FSDP2 over the data views (dp x fsdp > 1): shard over `fsdp`, replicate over `dp` (hybrid
    when both are above 1), with the pipeline stages as roots under a pipeline; the experts of
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from framework.nn import pipeline
+from framework.nn.context import apply_context_parallel
 from framework.nn.plan import apply_tensor_parallel
 from framework.nn.transforms import ModelTransforms
 from framework.parallel.dims import JobMesh, ParallelDims
@@ -59,9 +62,11 @@ def parallelize(
     transforms: ModelTransforms,
     cut: StageCut | None = None,
     device: torch.device | None = None,
+    cp_mode: str = "ring",
 ) -> dict[int, nn.Module]:
     """Make `task` parallel in place, every tensor of it on `device` (None: left where it is);
-    returns this rank's stage modules by id (pp > 1), else {}."""
+    returns this rank's stage modules by id (pp > 1), else {}. `cp_mode`: context-parallel
+    attention (cp > 1), one of framework.nn.context.MODES."""
     from framework.parallel.experts import apply_expert_parallel
     from framework.parallel.placement import to_device
 
@@ -77,6 +82,8 @@ def parallelize(
             loss_parallel=tensor.loss_parallel,
         )
     experts = apply_expert_parallel(task, mesh["ep"]) if dims.ep > 1 else set()
+    if dims.cp > 1:
+        apply_context_parallel(task, mesh["cp"].get_group(), cp_mode)
     transforms.apply(task)
     stages = {s: pipeline.Stage(task, cut.layers(s)) for s in cut.mine} if cut else {}
     # the ranks holding the same experts shard them; with one such rank too when a mixed

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from framework.nn import hf_load, pipeline
+from framework.nn import context, hf_load, pipeline
 from framework.nn.hf_moe import swap_sparse_blocks
 from framework.parallel.dims import ParallelDims
 from framework.parallel.experts import expert_parameters, scale_expert_gradients
@@ -54,6 +54,7 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         self.cfg = cfg
         self.dims = dims
         self.pipeline: PipelineRunner | None = None
+        self.context: context.ContextPlan | None = None  # cp > 1: attention across the cp ranks
         self.ties: stages.Ties | None = None
         self.async_saves = False  # within save_async only
         self.pending_save = None  # the Future of the background write save_async started
@@ -99,7 +100,17 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         task = self.lightning_module
         cut = self.cut_stages(task, trainer) if self.dims.pp > 1 else None
         tensor, fsdp = parallel_settings(task, self.cfg, self.dims, cut)
-        modules = parallelize(task, self.mesh, self.dims, tensor, fsdp, self.inputs.transforms, cut)
+        modules = parallelize(
+            task,
+            self.mesh,
+            self.dims,
+            tensor,
+            fsdp,
+            self.inputs.transforms,
+            cut,
+            cp_mode=self.cfg.cp_mode,
+        )
+        self.context = context.plan_of(task)
         # a pretrained model built on meta: each rank reads the slices it now holds (before a
         # resumed checkpoint is restored over them)
         hf_load.load_pretrained(task, self.root_device, trainer.default_root_dir, self.global_rank)
@@ -167,9 +178,17 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             return loss_parallel()
         return contextlib.nullcontext()
 
+    def sequence_chunks(self, args: tuple) -> tuple:
+        """cp > 1: the step's batch cut to this rank's chunks of each sequence (the cp ranks
+        of a group read the same batch)."""
+        if self.context is None:
+            return args
+        return (self.context.split(args[0]), *args[1:])
+
     def training_step(self, *args, **kwargs):
         if self.pipeline is None:
-            with self.loss_context():
+            with self.loss_context(), context.running(self.context):
+                args = self.sequence_chunks(args)
                 return plain(super().training_step(*args, **kwargs))
         batch, batch_idx = args[0], args[1]
         task = self.lightning_module
@@ -190,7 +209,8 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
 
     def validation_step(self, *args, **kwargs):
         if self.pipeline is None:
-            with self.loss_context():
+            with self.loss_context(), context.running(self.context):
+                args = self.sequence_chunks(args)
                 return plain(super().validation_step(*args, **kwargs))
         loss = self.pipeline.validation_step(args[0], self.precision_plugin.val_step_context)
         self.lightning_module.log("val/loss", loss, prog_bar=True, sync_dist=True)
@@ -200,7 +220,8 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         if self.pipeline is not None:
             self.pipeline.backward()
             return closure_loss
-        with self.loss_context():
+        # context.running: a checkpointed block's forward, run again here, attends as in the step
+        with self.loss_context(), context.running(self.context):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def reduce(self, tensor, *args, **kwargs):
