@@ -1,0 +1,251 @@
+"""`launcher=ray` on a real Ray cluster on this machine: a head (`ray start --head`, 4 CPUs) and
+a second raylet joined to it (2 CPUs), two nodes of one cluster. The second runs in its own mount
+namespace where one directory is a private tmpfs: a run directory there is not shared.
+
+The ranks as Ray actors train bitwise as the local launcher's processes (one rank on each node);
+a rank killed with kill -9 is restarted from the newest checkpoint and the job ends as an
+uninterrupted one; SIGTERM to `fw` saves, exits 75 and leaves no actor alive; bad input is
+refused with exit 2 before anything is written. The fixture stops only the processes of its own
+cluster (`ray stop` would stop every Ray cluster on the machine)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FW, QUIET, fw_env, metric_rows
+from tests.distributed.test_resume import wait_for_step
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+RAY = Path(sys.executable).parent / "ray"
+STEPS = 20
+SLOW = [
+    "task._target_=tests.tasks.SlowDigitsTask",
+    "task.model.hidden=64",
+    "task.model.dropout=0.1",
+    "+task.model.step_sleep=0.1",
+    "task.data.batch_size=32",
+    "trainer.devices=2",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.deterministic=true",
+    "callbacks.checkpoint.every_n_steps=5",
+    *QUIET,
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_pids(temp: str) -> set[int]:
+    """The processes of the cluster whose temp dir is `temp` (their command lines name it) and
+    their descendants (Ray's workers and agents)."""
+    parents, found = {}, set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if temp.encode() in cmdline:
+            found.add(int(proc.name))
+    grown = True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in found} - found
+        grown = bool(children)
+        found |= children
+    return found - {os.getpid()}
+
+
+def stop_cluster(temp: str) -> None:
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        pids = cluster_pids(temp)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while cluster_pids(temp) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def ray_env() -> dict[str, str]:
+    # token authentication is what `ray start` turns on; two fw ranks share 2 cores: one
+    # thread each, in the local reference too
+    return {**fw_env(), "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Ray cluster of two raylets on this machine; its address, and a directory the second
+    node does not share (None where a private mount cannot be made)."""
+    temp = tempfile.mkdtemp(prefix="fwray", dir="/tmp")  # short: Ray's socket paths are limited
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    common = [
+        "--disable-usage-stats",
+        "--node-ip-address=127.0.0.1",
+        "--object-store-memory=80000000",
+    ]
+    head = [str(RAY), "start", "--head", f"--port={port}", "--num-cpus=4", f"--temp-dir={temp}"]
+    head += [f"--dashboard-port={free_port()}", *common]
+    private = Path(temp) / "private"
+    private.mkdir()
+    second = [str(RAY), "start", f"--address={address}", "--num-cpus=2", *common]
+    try:
+        started = subprocess.run(head, env=ray_env(), capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stderr[-3000:]
+        unshared = shutil.which("unshare") and os.geteuid() == 0
+        if unshared:  # the second node gets its own empty tmpfs at `private`
+            script = f"mount -t tmpfs fwray {private} && exec {' '.join(second)}"
+            second = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+        joined = subprocess.run(second, env=ray_env(), capture_output=True, text=True, timeout=120)
+        assert joined.returncode == 0, joined.stderr[-3000:]
+        yield {"address": address, "private": private if unshared else None}
+    finally:
+        stop_cluster(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def start(args: list[str], cwd: Path, address: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(FW), "train", *args],
+        cwd=cwd,
+        env={**ray_env(), "RAY_ADDRESS": address},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def train(args: list[str], cwd: Path, address: str, timeout: float = 300):
+    proc = start(args, cwd, address)
+    try:
+        err = proc.communicate(timeout=timeout)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, err
+
+
+def alive_actors(address: str) -> list:
+    from ray.util.state import list_actors
+
+    return list_actors(
+        address=address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cluster) -> Path:
+    """The same job by the local launcher: two processes on this machine."""
+    run = tmp_path_factory.mktemp("local") / "run"
+    code, err = train([*SLOW, f"run.dir={run}"], run.parent, cluster["address"])
+    assert code == 0, err[-3000:]
+    return run
+
+
+def test_two_ranks_on_two_nodes_train_bitwise_as_the_local_launcher(cluster, reference, workdir):
+    args = ["launcher=ray", "launcher.strategy=STRICT_SPREAD", "trainer.num_nodes=2"]
+    code, err = train(
+        [*SLOW, *args, "trainer.devices=1", "run.dir=run"], workdir, cluster["address"]
+    )
+    assert code == 0, err[-3000:]
+    assert metric_rows(workdir / "run") == metric_rows(reference), "bitwise the local launcher's"
+    assert "(rank 1 pid=" in err, "each rank's output reaches the console, prefixed"
+
+
+def test_a_killed_rank_is_restarted_from_the_newest_checkpoint(cluster, reference, workdir):
+    run = workdir / "run"
+    proc = start(
+        [*SLOW, "launcher=ray", "launcher.max_restarts=1", f"run.dir={run}"],
+        workdir,
+        cluster["address"],
+    )
+    try:
+        wait_for_step(run, 8, proc)
+        ranks = {a.repr_name: a.pid for a in alive_actors(cluster["address"])}
+        os.kill(ranks["rank 1"], signal.SIGKILL)
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Restart 1 of 1 after: rank 1 failed: its actor died" in err, err[-3000:]
+    assert "(restart 1)" in err, "the restarted ranks resumed from a checkpoint"
+    rows = metric_rows(run)
+    assert [s for s, _ in rows] == list(range(STEPS)), "each step exactly once"
+    assert rows == metric_rows(reference), "losses after the restart are bitwise uninterrupted ones"
+
+
+def test_sigterm_saves_exits_75_and_leaves_no_actor(cluster, workdir):
+    run = workdir / "run"
+    proc = start([*SLOW, "launcher=ray", f"run.dir={run}"], workdir, cluster["address"])
+    try:
+        wait_for_step(run, 3, proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, err[-3000:]
+    stopped = int(err.split("checkpoint saved at step ")[1].split(";")[0])
+    assert 4 <= stopped < STEPS, err[-3000:]
+    assert (run / "checkpoints" / f"step{stopped:08d}" / "meta.json").is_file()
+    assert alive_actors(cluster["address"]) == [], "no actor outlives fw"
+
+
+def refused(args: list[str], cwd: Path, address: str, run: Path | None = None):
+    """fw train's stderr and how long it took; it exits 2 having written nothing."""
+    run = run or cwd / "run"
+    began = time.monotonic()
+    code, err = train(["task=digits", "launcher=ray", f"run.dir={run}", *args], cwd, address, 120)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert not run.exists(), "nothing written"
+    return err, time.monotonic() - began
+
+
+def test_a_silent_address_is_refused_within_the_probe_timeout(workdir):
+    """A port that accepts connections and never answers (a firewall, a proxy, a hung head):
+    Ray itself would retry it for minutes."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel accepts; nobody answers
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        err, took = refused(["launcher.probe_timeout_s=3"], workdir, address)
+    assert f"RAY_ADDRESS={address}: no Ray cluster answers there within" in err, err[-3000:]
+    assert took < 60, "refused in seconds (the probe's 3 s and fw's start), not minutes"
+
+
+def test_more_bundles_than_the_cluster_holds_are_refused_with_its_resources(cluster, workdir):
+    err, _ = refused(["trainer.devices=2", "launcher.cpus_per_rank=3"], workdir, cluster["address"])
+    assert "need 2 bundles of {CPU: 3}" in err and "the Ray cluster holds 1" in err, err
+    assert "CPU=4" in err and "CPU=2" in err, "the message shows each node's resources"
+
+
+def test_an_unknown_placement_strategy_is_refused(workdir):
+    err, _ = refused(["launcher.strategy=SPREAD_THIN"], workdir, "127.0.0.1:1")
+    assert "launcher.strategy=SPREAD_THIN" in err and "STRICT_SPREAD" in err, err
+
+
+def test_a_run_dir_one_node_does_not_see_is_refused(cluster, workdir):
+    if cluster["private"] is None:
+        pytest.skip("a private mount for the second node needs unshare as root")
+    run = cluster["private"] / "run"
+    err, _ = refused(["trainer.devices=2"], workdir, cluster["address"], run)
+    assert f"run.dir={run}: the Ray cluster has 2 nodes" in err and "does not see" in err, err
+    assert not run.exists() and not list(cluster["private"].iterdir()), "nothing left behind"
