@@ -100,3 +100,30 @@ class FSDPUnits(pl.Callback):
         )
         with open(os.path.join(self.out, f"units-rank{trainer.global_rank}.json"), "w") as fh:
             json.dump(units, fh)
+
+
+class HiddenPositions(pl.Callback):
+    """Writes, per rank, how many positions of each sequence the decoder layers hand on (their
+    output's dimension 1) at the first step: the whole sequence, or this rank's share of it."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.seen: dict[str, int] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for name, module in pl_module.named_modules():
+            if type(module).__name__.endswith("DecoderLayer"):
+                module.register_forward_hook(self._record(name))
+
+    def _record(self, name: str):
+        def hook(module, args, output) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            self.seen.setdefault(name, hidden.shape[1])
+
+        return hook
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 1:
+            path = os.path.join(self.out, f"positions-rank{trainer.global_rank}.json")
+            with open(path, "w") as fh:
+                json.dump(self.seen, fh)

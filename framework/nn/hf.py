@@ -172,12 +172,12 @@ def sequence_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
             if _is_norm(module):
                 out[name] = "sequence"
             elif _has_weights(module) and not isinstance(module, nn.Embedding):
-                _refuse_sequence(name, "holds weights beside the decoder layers")
+                refuse_sequence(name, "holds weights beside the decoder layers")
         if base is model:
-            _refuse_sequence(path or type(model).__name__, "has no head to gather the sequence")
+            refuse_sequence(path or type(model).__name__, "has no head to gather the sequence")
     for name in heads(task):
         if plan.get(name) not in HEAD and not any(k.startswith(f"{name}.") for k in plan):
-            _refuse_sequence(
+            refuse_sequence(
                 name, "is a head its plan does not split (it would see only this rank's positions)"
             )
         if plan.get(name) in HEAD:
@@ -194,7 +194,7 @@ def _decoder_layers(model: nn.Module, base: nn.Module, base_path: str):
     ]
     parents = {name.rpartition(".")[0] for name, _ in layers}
     if not layers or len(parents) != 1 or parents.pop().count(".") != base_path.count(".") + 1:
-        _refuse_sequence(base_path, "has no single list of decoder layers (_no_split_modules)")
+        refuse_sequence(base_path, "has no single list of decoder layers (_no_split_modules)")
     return layers
 
 
@@ -202,16 +202,16 @@ def _in_layer(name: str, child: nn.Module, plan: dict[str, str]) -> dict[str, st
     """The sequence-parallel styles of one child of a decoder layer and of its split modules."""
     inside = {k: v for k, v in plan.items() if k.startswith(f"{name}.")}
     if name in plan:
-        _refuse_sequence(name, f"is split whole ({plan[name]}) inside a decoder layer")
+        refuse_sequence(name, f"is split whole ({plan[name]}) inside a decoder layer")
     if inside:
         for k, v in inside.items():
             if v not in IN_LAYER:
-                _refuse_sequence(k, f"has the style {v}, which has no sequence-parallel form here")
+                refuse_sequence(k, f"has the style {v}, which has no sequence-parallel form here")
         return {name: "gather_sequence_input", **{k: IN_LAYER[v] for k, v in inside.items()}}
     if _is_norm(child):
         return {name: "sequence"}
     if _has_weights(child):
-        _refuse_sequence(name, "holds weights that its plan does not split")
+        refuse_sequence(name, "holds weights that its plan does not split")
     return {}
 
 
@@ -225,7 +225,7 @@ def _is_norm(module: nn.Module) -> bool:
     return bool(params) and all(p.dim() == 1 for p in params) and not any(module.children())
 
 
-def _refuse_sequence(module: str, problem: str):
+def refuse_sequence(module: str, problem: str):
     raise ConfigError(
         "strategy.sequence_parallel",
         True,

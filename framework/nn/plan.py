@@ -203,6 +203,8 @@ def hf_plan(
 
     patterns = hf.plan_patterns(model)
     if not patterns:
+        if sequence_parallel and hf.models(model):  # e.g. GPT-2: transformers gives it no plan
+            hf.refuse_sequence(hf.models(model)[0][0], "has no tensor-parallel plan of its own")
         return {}
     plan: dict[str, str] = {}
     modules = [name for name, _ in model.named_modules() if name]

@@ -100,6 +100,11 @@ def test_sequence_parallel_is_refused_where_a_module_would_see_only_its_position
         hf_plan(llama(), skip=["lm.lm_head"], sequence_parallel=True)
     with pytest.raises(ConfigError, match=r"layers.0.mlp holds weights that its plan does not"):
         hf_plan(llama(), skip=["lm.model.layers.0.mlp.*"], sequence_parallel=True)
+    gpt2 = tiny(
+        transformers.GPT2LMHeadModel, transformers.GPT2Config, n_embd=16, n_layer=1, n_head=2
+    )
+    with pytest.raises(ConfigError, match=r"module lm has no tensor-parallel plan of its own"):
+        hf_plan(gpt2, sequence_parallel=True)
 
 
 def test_fsdp_and_checkpointing_units_are_the_no_split_blocks_not_every_module_list_member():
