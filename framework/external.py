@@ -14,10 +14,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from framework.config.fields import doc
 from framework.errors import ConfigError
 from framework.world import World, global_rank
+
+if TYPE_CHECKING:
+    from framework.config.job_plan import JobPlan
 
 KIND = "framework.external"  # not a `launcher=` choice: fw picks it inside torchrun/srun
 
@@ -39,13 +43,14 @@ def join(cfg: Config, world: World, config: dict) -> bool:
     return global_rank() == 0
 
 
-def build(cfg: Config, world: World):
-    """A function that trains this process as its rank of the enclosing job."""
+def build(cfg: Config, plan: JobPlan):
+    """A function that trains this process as its rank of the enclosing job, from the plan
+    validation made in this process."""
 
     def launch(config_path: Path, resume_from: Path | None = None) -> None:
         from framework import worker
 
-        worker.entry(config_path, resume_from)
+        worker.entry(config_path, resume_from, plan=plan)
 
     return launch
 

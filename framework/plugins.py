@@ -8,7 +8,9 @@ the runner (in the `fw` process, before anything is written or started) and the 
 training process) call them directly, with everything they need passed in as arguments.
 
 Each hook receives its own config node as an instance of the module's `Config` dataclass
-(`typed_config`), in the `fw` process and in the workers alike.
+(`typed_config`), in the `fw` process and in the workers alike. Each process types a strategy
+or launcher node once: validation makes the job's plan (framework/config/job_plan.py), which
+holds the typed configs and the strategy's answers, and hands it on.
 
 Besides its required hooks a strategy module may define the optional members of
 `StrategyCapabilities` (what `fw check`, `fw plan`, validation and the run's messages ask of a
@@ -32,6 +34,7 @@ from framework.errors import ConfigError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from framework.config.job_plan import JobPlan
     from framework.context import RunContext
     from framework.parallel.dims import ParallelDims
     from framework.strategy_base import StrategyInputs
@@ -57,9 +60,11 @@ class JobView:
 class StrategyPlugin(Protocol):
     """A strategy plugin module: how the work is spread over processes.
 
-    Called in this order: `validate`, `checkpoint_format`, `check_move` (when the resume
-    checkpoint was written by another layout) in the `fw` process; `data_parallel`,
-    `checkpoint_format` and `build` in every worker.
+    Called in this order: `validate`, then (making the job's plan) `checkpoint_format` and
+    `data_parallel`, then `check_move` (when the resume checkpoint was written by another
+    layout) in the `fw` process; `checkpoint_format`, `data_parallel` and `build` in every
+    worker process (a worker in the `fw` process asks `data_parallel` again only when its rank
+    differs from the plan's). Each is called once per process.
     """
 
     Config: type  # the dataclass schema of `strategy.*`, registered as schema/strategy/<kind>
@@ -230,9 +235,12 @@ class LauncherPlugin(Protocol):
         nodes (raise ConfigError when their `config` differs from this node's). Returns whether
         this node writes the run directory. Runs in the `fw` process."""
 
-    def build(self, cfg: Any, world: World) -> Callable[[Path, Path | None], None]:
-        """A function `launch(config_path, resume_from)` that runs the job's workers (each runs
-        `framework.worker`) and returns when they are done. Runs in the `fw` process."""
+    def build(self, cfg: Any, plan: JobPlan) -> Callable[[Path, Path | None], None]:
+        """A function `launch(config_path, resume_from)` that runs the job's workers (each
+        enters through `framework.worker.entry`) and returns when they are done. `plan`: the
+        job as validation planned it (framework/config/job_plan.py: `plan.world` is its process
+        layout); a worker in this process trains from it (`entry(..., plan=plan)`), a worker
+        process makes its own from config.yaml. Runs in the `fw` process."""
 
 
 PROTOCOLS: dict[str, type] = {

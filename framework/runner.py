@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework import checkpointing, external, files, resume
 from framework.config.compose import compose_config, expand_sweeps
+from framework.config.job_plan import JobPlan
 from framework.config.validate import validate
 from framework.context import flatten, load_run_state
 from framework.errors import EXIT_PREEMPTED, ConfigError
@@ -36,13 +37,22 @@ log = logging.getLogger("framework.runner")
 
 @dataclass
 class Job:
-    """One training run: its resolved config, process layout, run directory and resume point."""
+    """One training run: its plan (config, layout, typed plugin configs), run directory and
+    resume point."""
 
-    cfg: DictConfig
-    world: World
+    plan: JobPlan
     run_dir: Path
     resume_from: Path | None = None
     group: str | None = None
+
+    @property
+    def cfg(self) -> DictConfig:
+        """The resolved config (secret values in place)."""
+        return self.plan.cfg
+
+    @property
+    def world(self) -> World:
+        return self.plan.world
 
 
 def plan(
@@ -69,22 +79,20 @@ def plan(
             run_dir = run_dir / str(number)
         cfg.run.dir = str(run_dir.resolve())
         resolve(cfg)
-        world = validate(cfg)
+        validated = validate(cfg)
         if enclosing:
-            external.check_world(world)
-        jobs.append(Job(cfg, world, Path(cfg.run.dir), group=group))
+            external.check_world(validated.world)
+        jobs.append(Job(validated, Path(cfg.run.dir), group=group))
     for job in jobs:
         check_run_dir(job.run_dir)
-        config = redact(OmegaConf.to_container(job.cfg), key_pattern(job.cfg.run.secret_keys))
-        plugin = load_plugin("strategy", job.cfg.strategy.kind, "strategy.kind")
-        strategy_cfg = typed_config(plugin, job.cfg.strategy)
+        plugin, strategy = job.plan.strategy_plugin, job.plan.strategy
         job.resume_from = resume.choose(
             job.cfg.resume,
             job.run_dir,
-            config,
-            plugin.checkpoint_format(strategy_cfg, job.world),
+            redacted_config(job),
+            job.plan.checkpoint_format,
             job.world.world_size,
-            functools.partial(plugin.check_move, strategy_cfg),
+            functools.partial(plugin.check_move, strategy),
             trust=trust,
         )
     dirs = [j.run_dir for j in jobs]
@@ -182,11 +190,16 @@ def new_run_id() -> str:
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
-def job_launcher(cfg: DictConfig) -> tuple[ModuleType, Any]:
+def job_launcher(
+    cfg: DictConfig, planned: tuple[ModuleType, Any] | None = None
+) -> tuple[ModuleType, Any]:
     """The launcher plugin of a job and its typed config: inside torchrun/srun, where this
-    process is its rank already, framework.external; elsewhere the one `launcher.kind` names."""
+    process is its rank already, framework.external; elsewhere the one `launcher.kind` names
+    (`planned`: as the job's plan holds it, typed by validation)."""
     if external.job_id() is not None:
         return external, external.Config()
+    if planned is not None:
+        return planned
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     return launcher, typed_config(launcher, cfg.launcher)
 
@@ -194,7 +207,7 @@ def job_launcher(cfg: DictConfig) -> tuple[ModuleType, Any]:
 def run_job(job: Job) -> None:
     """Hand the job to its launcher, which starts its workers (or trains here, for one process
     or as this process's rank inside torchrun/srun)."""
-    launcher, launcher_cfg = job_launcher(job.cfg)
+    launcher, launcher_cfg = job_launcher(job.cfg, (job.plan.launcher_plugin, job.plan.launcher))
     # several machines: the first node to arrive writes, once every node has the same config;
     # inside torchrun/srun: rank 0
     writes = launcher.join(launcher_cfg, job.world, redacted_config(job))
@@ -204,7 +217,7 @@ def run_job(job: Job) -> None:
     config_path = write_config(job, state=writes)
     if writes:
         log.info("Run directory: %s", job.run_dir)
-    launch = launcher.build(launcher_cfg, job.world)
+    launch = launcher.build(launcher_cfg, job.plan)
     launch(config_path, job.resume_from)
 
 

@@ -9,7 +9,6 @@ in each rank of a torchrun or srun job.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -19,7 +18,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework import lr_scaling, secrets, watchdog
+from framework import secrets, watchdog
+from framework.config import job_plan
+from framework.config.job_plan import JobPlan
 from framework.context import RunContext, load_run_state
 from framework.instantiate import build_task, instantiate_args
 from framework.logs import quiet_lightning, setup_logging
@@ -51,9 +52,14 @@ def entry(
     resume_from: str | Path | None = None,
     started: str = "here",
     on_preempted: Callable[[Exception], None] | None = None,
+    plan: JobPlan | None = None,
 ) -> None:
     """Train the job whose run directory holds `config_path` (its frozen config.yaml) as this
     process's rank, from the checkpoint `resume_from` (None or '': from the start).
+
+    `plan`: the job's plan when it was made in this process (by validation in the `fw`
+    process, which trains here: one process, or a rank of torchrun/srun); without it the worker
+    makes its plan from config.yaml (framework/config/job_plan.py, `for_worker`).
 
     `started`: "here" for the `fw` process itself (one process) and for a rank that torchrun,
     srun or SLURM started; "fork" or "spawn" for a worker process that launcher=local started,
@@ -76,7 +82,8 @@ def entry(
         train = record(_train)  # its exception, in the error file the launcher reports
     try:
         # nothing is returned: a forked worker's result would be pickled back to the launcher
-        train(OmegaConf.load(path), path.parent, Path(resume_from) if resume_from else None)
+        job = plan if plan is not None else OmegaConf.load(path)
+        train(job, path.parent, Path(resume_from) if resume_from else None)
     except Preempted as stop:
         if on_preempted is not None:
             on_preempted(stop)
@@ -101,25 +108,25 @@ def become_child(started: str) -> None:
         sys.path.append(os.getcwd())
 
 
-def _train(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
-    """Train one job in this process (`entry` calls it); returns the fitted lightning.Trainer."""
+def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = None) -> Any:
+    """Train one job in this process (`entry` calls it) from its plan, or from the frozen
+    config it is made from; returns the fitted lightning.Trainer."""
     setup_logging()
     import lightning.pytorch as pl
 
     from framework import checkpointing
     from framework.callbacks._checkpointer import STATE_FILE, Checkpointer, Preempted
+    from framework.callbacks._elastic import callbacks as elastic_callbacks
     from framework.callbacks._lr_scaling import callbacks as scaling_callbacks
+    from framework.config.elastic import fit_plan
     from framework.nn.transforms import ModelTransforms
     from framework.resume import needs_move
 
     quiet_lightning()
-    cfg = lr_scaling.without_record(with_secrets(cfg))
-    world = World.current(cfg.trainer)
-    plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
-    strategy_cfg = typed_config(plugin, cfg.strategy)
-    ckpt_format = plugin.checkpoint_format(strategy_cfg, world)
-    data_parallel = tuple(plugin.data_parallel(strategy_cfg, world))
-    ctx = make_context(cfg, run_dir, resume_from, world, data_parallel, ckpt_format)
+    # an elastic job that lost a node: the smaller world, with the global batch kept
+    plan = fit_plan(job_plan.for_worker(job))
+    cfg, world, data_parallel = plan.cfg, plan.world, plan.data_parallel
+    ctx = make_context(plan, run_dir, resume_from)
     # Read at import time by Lightning; a forked worker inherited the launcher's value (0).
     from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -130,14 +137,14 @@ def _train(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> A
     task = build_task(cfg.task)
     data = instantiate_args(cfg.task.data)
     saved = checkpointing.read_meta(resume_from) if resume_from else {}
-    moved = resume_from is not None and needs_move(saved, ckpt_format, world.world_size)
+    moved = resume_from is not None and needs_move(saved, plan.checkpoint_format, world.world_size)
     inputs = StrategyInputs(
         transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
         data_parallel=data_parallel,
         move_from=resume_from if moved else None,  # written by another layout or world size
         data_order=cfg.task.data_order,
     )
-    strategy = plugin.build(strategy_cfg, world, inputs)
+    strategy = plan.strategy_plugin.build(plan.strategy, world, inputs)
     loggers = [
         build_plugin("logger", n, e, ctx) for n, e in (cfg.logger or {}).items() if e is not None
     ]
@@ -152,6 +159,7 @@ def _train(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> A
             os.environ.setdefault(name, value)
     callbacks += [beat] if beat is not None else []
     callbacks += scaling_callbacks(cfg.trainer, data_parallel[1], task, run_dir / "config.yaml")
+    callbacks += elastic_callbacks(cfg)
     # with one global order the strategy distributes the loaders (framework.data.order)
     own_order = cfg.task.data_order == "global"
     trainer = make_trainer(cfg.trainer, world, strategy, loggers, callbacks, run_dir, own_order)
@@ -203,16 +211,12 @@ def make_trainer(
     )
 
 
-def make_context(
-    cfg: DictConfig,
-    run_dir: Path,
-    resume_from: Path | None,
-    world: World,
-    data_parallel: tuple[int, int],
-    checkpoint_format: str,
-) -> RunContext:
+def make_context(plan: JobPlan, run_dir: Path, resume_from: Path | None) -> RunContext:
+    """What the logger and callback plugins are built with: the run's identity, where it
+    resumes, and the plan's layout."""
     from framework import checkpointing
 
+    cfg = plan.cfg
     state = load_run_state(run_dir)
     step = checkpointing.read_meta(resume_from)["step"] if resume_from else 0
     plain = OmegaConf.to_container(cfg, resolve=True)
@@ -224,21 +228,14 @@ def make_context(
         run_id=state.get("run_id", "local"),
         group=state.get("group"),
         config=secrets.redact(plain, pattern),
-        world=world,
+        world=plan.world,
         resume_from=resume_from,
         resume_step=step,
-        data_parallel=data_parallel,
-        checkpoint_format=checkpoint_format,
+        data_parallel=plan.data_parallel,
+        checkpoint_format=plan.checkpoint_format,
         secret_keys=tuple(cfg.run.secret_keys),
         secret_values=frozenset(hidden),
     )
-
-
-def with_secrets(cfg: DictConfig) -> DictConfig:
-    """Put back the secret values that config.yaml holds only as '***'."""
-    for key, value in json.loads(os.environ.get(secrets.ENV, "{}")).items():
-        OmegaConf.update(cfg, key, value, merge=False)
-    return cfg
 
 
 def close_process_group() -> None:

@@ -5,6 +5,7 @@ Each check raises ConfigError naming the key, the value and what would be valid.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -15,20 +16,22 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework import lr_scaling
+from framework.config import job_plan
 from framework.config.batches import check_batches
 from framework.config.dry_build import dry_build
 from framework.config.fields import check_fields
 from framework.errors import ConfigError
-from framework.plugins import JobView, capability, load_plugin, typed_config
+from framework.plugins import JobView, load_plugin, typed_config
 from framework.world import World, cuda_device_count
 
 NAMED_FAMILIES = ("logger", "callbacks")  # groups whose entries are `name: {kind or _target_}`
 
 
-def validate(cfg: DictConfig, here: bool = True) -> World:
-    """Validate a composed config; returns the process layout it asks for. `here=False` (`fw
-    check`) validates it for the machines it names, not this one: `auto` means CUDA, and
-    neither the devices present nor the launcher's tools here are asked for."""
+def validate(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
+    """Validate a composed, resolved config; returns the job's plan (framework/config/job_plan.py),
+    which the runner hands on instead of deriving anything again. `here=False` (`fw check`)
+    validates it for the machines it names, not this one: `auto` means CUDA, and neither the
+    devices present nor the launcher's tools here are asked for (the plan has no launcher)."""
     check_fields(cfg, "")
     world = check_world(cfg) if here else target_world(cfg)
     check_task(cfg.task)
@@ -37,17 +40,20 @@ def validate(cfg: DictConfig, here: bool = True) -> World:
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
     strategy = typed_config(plugin, cfg.strategy, "strategy")
     plugin.validate(strategy, world, JobView(cfg.task, cfg.trainer, model))
-    check_batches(cfg.trainer, data, plugin.data_parallel(strategy, world)[1])
-    if not capability(plugin, "saves_async")(strategy, world):
-        check_foreground_saves(cfg, plugin.checkpoint_format(strategy, world))
+    plan = job_plan.make(cfg, world, plugin, strategy)
+    check_batches(cfg.trainer, data, plan.data_parallel[1])
+    if not plan.saves_async:
+        check_foreground_saves(cfg, plan.checkpoint_format)
     check_log_model(cfg)
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     if here:
-        launcher.validate(typed_config(launcher, cfg.launcher, "launcher"), world)
+        launcher_cfg = typed_config(launcher, cfg.launcher, "launcher")
+        launcher.validate(launcher_cfg, world)
+        plan = dataclasses.replace(plan, launcher_plugin=launcher, launcher=launcher_cfg)
     for family in NAMED_FAMILIES:
         for name, entry in (cfg.get(family) or {}).items():
             check_named_entry(family, name, entry, world)
-    return world
+    return plan
 
 
 def check_foreground_saves(cfg: DictConfig, ckpt_format: str) -> None:

@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from framework import checkpointing
 from framework.config.fields import doc
@@ -32,6 +33,9 @@ from framework.errors import EXIT_PREEMPTED, ConfigError
 from framework.launchers import rendezvous
 from framework.watchdog import HEARTBEAT_ENV, WATCHED, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
+
+if TYPE_CHECKING:
+    from framework.config.job_plan import JobPlan
 
 log = logging.getLogger("framework.launcher")
 
@@ -151,15 +155,17 @@ def join(cfg: Config, world: World, config: dict) -> bool:
     return arrival == 0
 
 
-def build(cfg: Config, world: World):
+def build(cfg: Config, plan: JobPlan):
     """A function that starts the job's workers and waits for them (restarting them on failure
-    while `max_restarts` allows)."""
+    while `max_restarts` allows). One process trains in this one, from `plan`; worker processes
+    make theirs from config.yaml."""
+    world = plan.world
 
     def launch(config_path: Path, resume_from: Path | None = None) -> None:
         if world.world_size == 1 and not cfg.max_restarts:  # trains in this process
             from framework import worker
 
-            worker.entry(config_path, resume_from)
+            worker.entry(config_path, resume_from, plan=plan)
             return
         method = cfg.start_method
         if method == "auto":

@@ -21,10 +21,14 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from framework.config.fields import doc
 from framework.errors import ConfigError
 from framework.world import RESTART_ENV, World, global_rank
+
+if TYPE_CHECKING:
+    from framework.config.job_plan import JobPlan
 
 log = logging.getLogger("framework.launcher")
 
@@ -73,8 +77,10 @@ def join(cfg: Config, world: World, config: dict) -> bool:
     return True
 
 
-def build(cfg: Config, world: World):
-    """A function that submits the job and returns once SLURM accepted it."""
+def build(cfg: Config, plan: JobPlan):
+    """A function that submits the job and returns once SLURM accepted it (each task makes
+    its plan from config.yaml)."""
+    world = plan.world
 
     def launch(config_path: Path, resume_from: Path | None = None) -> None:
         import submitit

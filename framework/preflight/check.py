@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from framework.config.job_plan import JobPlan
 from framework.errors import ConfigError
 from framework.perf import gib, parse_memory
 from framework.preflight.simulate import RankMemory
@@ -41,6 +42,7 @@ class CheckReport:
     plugin: Any = None  # the strategy plugin module
     strategy: Any = None  # its typed config
     world: Any = None  # the process layout checked
+    plan: Any = None  # the job's plan (framework/config/job_plan.py) that was checked
 
     @property
     def worst(self) -> RankMemory:
@@ -82,23 +84,27 @@ def check(
 ) -> CheckReport:
     """Compose, validate and simulate the job; ConfigError for anything its workers would fail."""
     started = time.perf_counter()
-    cfg, world = composed(overrides, extra_dirs)
+    cfg, plan = composed(overrides, extra_dirs)
+    world = plan.world
     device = parse_memory("--gpu-mem", gpu_mem) if gpu_mem is not None else None
-    batch = first_batch(cfg, world)
+    batch = first_batch(cfg, plan)
     for r in ranks or []:
         if not 0 <= r < world.world_size:
             raise ConfigError("--ranks", r, f"is not a rank of the {world.world_size} processes")
     if world.is_cuda or device is not None:  # a GPU target: nothing may stay on the CPU
-        check_placement(cfg, world, batch, ranks)
-    report = simulate(cfg, world, batch, ranks, quick)
+        check_placement(cfg, plan, batch, ranks)
+    report = simulate(cfg, plan, batch, ranks, quick)
     report.device_bytes = device
     report.config = cfg
     report.world = world
+    report.plan = plan
     report.seconds = time.perf_counter() - started
     return report
 
 
-def composed(overrides: list[str], extra_dirs: list[Path] | None) -> tuple[DictConfig, Any]:
+def composed(overrides: list[str], extra_dirs: list[Path] | None) -> tuple[DictConfig, JobPlan]:
+    """The composed, resolved config and the plan its validation made (for the machines it
+    names)."""
     from framework.config.compose import compose_config
     from framework.config.validate import validate
     from framework.runner import resolve
@@ -109,7 +115,7 @@ def composed(overrides: list[str], extra_dirs: list[Path] | None) -> tuple[DictC
     return cfg, validate(cfg, here=False)
 
 
-def first_batch(cfg: DictConfig, world) -> Any:
+def first_batch(cfg: DictConfig, plan: JobPlan) -> Any:
     """One training batch of this rank's size from the task's own data module (shapes only are
     used); ConfigError when the data ranks would get no full batch."""
     import torch
@@ -128,7 +134,7 @@ def first_batch(cfg: DictConfig, world) -> Any:
         raise ConfigError(
             "task.data", cfg.task.data._target_, f"raised {type(err).__name__}: {err}"
         ) from None
-    ranks = data_ranks(cfg, world)
+    ranks = plan.data_parallel[1]
     dataset = getattr(loader, "dataset", None)
     size = len(dataset) if hasattr(dataset, "__len__") else None
     per_rank = getattr(loader, "batch_size", None)
@@ -143,13 +149,6 @@ def first_batch(cfg: DictConfig, world) -> Any:
     return batch
 
 
-def data_ranks(cfg: DictConfig, world) -> int:
-    from framework.plugins import load_plugin, typed_config
-
-    plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
-    return plugin.data_parallel(typed_config(plugin, cfg.strategy), world)[1]
-
-
 def representative(dims, chosen: list[int] | None, quick: bool = False) -> list[int]:
     """The first and last rank of each pipeline position (all differ in stages; ranks within a
     position differ only by uneven shards; `quick`: the first only), or the ranks asked for."""
@@ -161,21 +160,19 @@ def representative(dims, chosen: list[int] | None, quick: bool = False) -> list[
 
 
 def simulate(
-    cfg: DictConfig, world, batch: Any, chosen: list[int] | None, quick: bool = False
+    cfg: DictConfig, plan: JobPlan, batch: Any, chosen: list[int] | None, quick: bool = False
 ) -> CheckReport:
     from framework.nn.transforms import ModelTransforms
-    from framework.plugins import capability, load_plugin, typed_config
+    from framework.plugins import capability
     from framework.preflight import simulate as sim
 
     kind = cfg.strategy.kind
-    plugin = load_plugin("strategy", kind, "strategy.kind")
-    strategy = typed_config(plugin, cfg.strategy)
+    plugin, strategy, world, dims = plan.strategy_plugin, plan.strategy, plan.world, plan.dims
     transforms = ModelTransforms(cfg.trainer.activation_checkpointing, False)
     notes = []
     if cfg.trainer.compile:
         notes.append("trainer.compile is not applied in the check (eager memory is shown).")
-    layout = capability(plugin, "describe")(strategy, world)
-    dims = capability(plugin, "mesh_dims")(strategy, world)
+    layout = plan.layout
     if dims is not None:
         rows = []
         for rank in representative(dims, chosen, quick):
@@ -209,19 +206,16 @@ def simulate(
     )
 
 
-def check_placement(cfg: DictConfig, world, batch: Any, chosen: list[int] | None) -> None:
+def check_placement(cfg: DictConfig, plan: JobPlan, batch: Any, chosen: list[int] | None) -> None:
     """ConfigError when a rank of a strategy on one mesh (`mesh_dims`) would, on its GPU, keep a
     tensor on the CPU after setup or hand one to a collective (framework/preflight/devices.py);
     the first rank of each pipeline position, which differ in their stages (the others only in
     shard sizes). The other strategies move the whole module with Lightning's or DeepSpeed's
     own setup."""
     from framework.nn.transforms import ModelTransforms
-    from framework.plugins import capability, load_plugin, typed_config
     from framework.preflight.devices import placement_errors, refuse
 
-    plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
-    strategy = typed_config(plugin, cfg.strategy)
-    dims = capability(plugin, "mesh_dims")(strategy, world)
+    strategy, dims = plan.strategy, plan.dims
     if dims is None:
         return
     transforms = ModelTransforms(cfg.trainer.activation_checkpointing, False)

@@ -30,8 +30,7 @@ def test_every_option_composes_and_validates(group, option, monkeypatch):
         monkeypatch.setattr("framework.config.validate.cuda_device_count", lambda: 1)
     cfg = compose_config([override, *NEEDS.get((group, option), [])])
     OmegaConf.resolve(cfg)
-    world = validate(cfg)
-    assert world.world_size >= 1
+    assert validate(cfg).world.world_size >= 1
 
 
 def test_launcher_slurm_composes_and_is_refused_where_sbatch_is_missing(monkeypatch, tmp_path):

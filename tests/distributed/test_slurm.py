@@ -244,7 +244,7 @@ def test_launcher_slurm_validates_where_sbatch_is_installed(cluster):
 
     cfg = compose_config(["launcher=slurm"])
     OmegaConf.resolve(cfg)
-    assert validate(cfg).world_size == 1
+    assert validate(cfg).world.world_size == 1
 
 
 def test_a_submitted_two_task_job_matches_the_local_launcher(cluster, workdir, local_run):
