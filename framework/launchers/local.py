@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from framework import checkpointing
 from framework.config.fields import doc
@@ -73,6 +74,20 @@ class Config:
     join_timeout_s: float = doc(
         600.0,
         "With trainer.num_nodes > 1: how long a node waits for the others to start.",
+        above=0,
+    )
+    min_nodes: int | None = doc(
+        None,
+        "With trainer.num_nodes > 1: the fewest nodes the job goes on with when one is lost "
+        "(its fw process or machine gone): the others continue from the newest checkpoint with "
+        "the same global batch, and a node whose command is started again joins at the next "
+        "step; each change counts against max_restarts (null: trainer.num_nodes, no shrinking).",
+        min=1,
+    )
+    rejoin_wait_s: float = doc(
+        3.0,
+        "With min_nodes: how long the nodes left after a loss wait for more of them before "
+        "going on with fewer.",
         above=0,
     )
     max_restarts: int = doc(
@@ -127,6 +142,13 @@ def validate(cfg: Config, world: World) -> None:
                 hint="Start the same command on every machine with e.g. "
                 "launcher.rdzv_endpoint=node0.cluster:29500 and a run.dir they share.",
             )
+    if cfg.min_nodes is not None and cfg.min_nodes > world.num_nodes:
+        raise ConfigError(
+            "launcher.min_nodes",
+            cfg.min_nodes,
+            f"more than trainer.num_nodes={world.num_nodes}",
+            hint=f"Use 1 to {world.num_nodes} (null: {world.num_nodes}).",
+        )
     if world.num_nodes > 1 and not rendezvous.job_token(cfg.rdzv_token):
         raise ConfigError(
             "launcher.rdzv_token",
@@ -145,14 +167,29 @@ def join(cfg: Config, world: World, config: dict) -> bool:
     the run directory (the first to arrive; a job on one machine always does)."""
     if world.num_nodes == 1:
         return True
+    if elastic(cfg, world):  # before meeting anyone: a global batch a smaller world cannot keep
+        from framework.config import elastic as elastic_batch
+
+        elastic_batch.check(config, world, cfg.min_nodes)
     token = rendezvous.job_token(cfg.rdzv_token)
     try:
         arrival = rendezvous.join(
-            cfg.rdzv_endpoint, cfg.rdzv_id, token, world.num_nodes, config, cfg.join_timeout_s
+            cfg.rdzv_endpoint,
+            cfg.rdzv_id,
+            token,
+            world.num_nodes,
+            config,
+            cfg.join_timeout_s,
+            late=elastic(cfg, world),
         )
     except rendezvous.JoinTimeout as err:
         raise WorkerFailure(str(err)) from err
     return arrival == 0
+
+
+def elastic(cfg: Config, world: World) -> bool:
+    """Whether the job goes on with fewer nodes when one is lost."""
+    return world.num_nodes > 1 and cfg.min_nodes is not None and cfg.min_nodes < world.num_nodes
 
 
 def build(cfg: Config, plan: JobPlan):
@@ -172,6 +209,9 @@ def build(cfg: Config, plan: JobPlan):
             # CUDA cannot be used in a forked child once the parent touched it.
             method = "spawn" if world.is_cuda else "fork"
         run_dir = config_path.parent
+        if elastic(cfg, world):
+            run_elastic(cfg, world, method, config_path, resume_from)
+            return
         for attempt in range(cfg.max_restarts + 1):
             if attempt:  # from the newest checkpoint this job completed, else where it began
                 resume_from = checkpointing.newest_complete(run_dir / "checkpoints") or resume_from
@@ -189,6 +229,47 @@ def build(cfg: Config, plan: JobPlan):
             record_restart(run_dir, attempt + 1, failure)
 
     return launch
+
+
+def run_elastic(
+    cfg: Config, world: World, method: str, config_path: Path, resume_from: Path | None
+) -> None:
+    """The workers of an elastic job, one generation after another (framework.launchers.
+    elastic): after a lost node on the nodes left, after a node came back on all of them, each
+    from the newest complete checkpoint, each change counted against max_restarts."""
+    from framework.launchers.elastic import Watch, come_back
+
+    token = rendezvous.job_token(cfg.rdzv_token)
+    generations = rendezvous.Generations(cfg.rdzv_endpoint, token, cfg.rdzv_id, cfg.join_timeout_s)
+    run_dir, restarts = config_path.parent, 0
+    generation = generations.current()
+    if generation > 0 or generations.count("members", 0) >= world.num_nodes:
+        generation = come_back(generations, generation, world.num_nodes, cfg.join_timeout_s)
+    while True:
+        if generation > 0:
+            resume_from = checkpointing.newest_complete(run_dir / "checkpoints") or resume_from
+        fewest = cfg.min_nodes if generation else world.num_nodes
+        fewest = generations.expected(generation) or fewest
+        generations.count("members", generation, add=1)
+        os.environ[RESTART_ENV] = str(restarts)
+        watch = Watch(generations, generation, signal_workers)
+        meeting = (f"{generations.name}-g{generation}", fewest, watch)
+        try:
+            with forward_signals(PREEMPT_SIGNALS):
+                args = worker_args(method, config_path, resume_from)
+                failure = start_workers(cfg, world, method, args, run_dir, meeting)
+        finally:
+            with contextlib.suppress(RuntimeError, OSError):  # the store's node may be gone
+                generations.count("stopped", generation, add=1)
+        if failure is None:
+            return
+        if restarts == cfg.max_restarts:
+            after = f" (after {restarts} restart{'s' * (restarts > 1)})" if restarts else ""
+            raise WorkerFailure(failure + after)
+        restarts += 1
+        log.warning("Restart %d of %d after: %s", restarts, cfg.max_restarts, failure)
+        record_restart(run_dir, restarts, failure)
+        generation = generations.advance(generation)
 
 
 def worker_args(method: str, config_path: Path, resume_from: Path | None) -> tuple:
@@ -223,9 +304,7 @@ def forward_signals(signums):
     previous = {s: signal.getsignal(s) for s in signums}
 
     def forward(signum, frame):
-        for pid in child_pids(os.getpid()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        signal_workers(signum)
 
     for s in signums:
         signal.signal(s, forward)
@@ -234,6 +313,13 @@ def forward_signals(signums):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def signal_workers(signum: int) -> None:
+    """Send a signal to this process's workers (its direct children)."""
+    for pid in child_pids(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def child_pids(parent: int) -> list[int]:
@@ -250,17 +336,28 @@ def child_pids(parent: int) -> list[int]:
 
 
 def start_workers(
-    cfg: Config, world: World, method: str, entry: tuple, run_dir: Path
+    cfg: Config,
+    world: World,
+    method: str,
+    entry: tuple,
+    run_dir: Path,
+    generation: tuple[str, int, Any] | None = None,
 ) -> str | None:
     """Run the workers once: None when they all finished, else what failed (raises
-    WorkersPreempted when they stopped on a preemption signal)."""
+    WorkersPreempted when they stopped on a preemption signal). `generation` (elastic jobs):
+    the rendezvous name, the fewest nodes it forms with, and a watch (framework.launchers.
+    elastic.Watch) whose stop request ends these workers at their next step."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     attempt = os.environ.get(RESTART_ENV, "0")
     endpoint, run_id, local_addr, store = cfg.rdzv_endpoint, None, None, None
-    if world.num_nodes > 1:  # every node names the same rendezvous, derived from the token
+    min_nodes, watch, rdzv_configs = world.num_nodes, None, {"join_timeout": cfg.join_timeout_s}
+    if generation is not None:  # an elastic job: the node count of this start is open
+        run_id, min_nodes, watch = generation
+        rdzv_configs["last_call_timeout"] = cfg.rejoin_wait_s
+    elif world.num_nodes > 1:  # every node names the same rendezvous, derived from the token
         token = rendezvous.job_token(cfg.rdzv_token)
         run_id = f"{rendezvous.meeting(token, cfg.rdzv_id)}-{attempt}"
     else:  # nobody else needs to reach this job: its stores listen on loopback only
@@ -272,14 +369,14 @@ def start_workers(
     rendezvous.register_backend()
     log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
     launch_config = LaunchConfig(
-        min_nodes=world.num_nodes,
+        min_nodes=min_nodes,
         max_nodes=world.num_nodes,
         nproc_per_node=world.devices,
         run_id=run_id,
         rdzv_backend=rendezvous.BACKEND,
         rdzv_endpoint=endpoint,
         local_addr=local_addr,
-        rdzv_configs={"join_timeout": int(cfg.join_timeout_s)},
+        rdzv_configs={k: int(math.ceil(v)) for k, v in rdzv_configs.items()},
         max_restarts=0,  # restarts are ours: the agent would also restart preempted workers
         monitor_interval=cfg.monitor_interval,
         start_method=method,
@@ -299,9 +396,13 @@ def start_workers(
         watchdog = Watchdog(beats, world.devices, cfg.hang_timeout_s, run_dir, pids)
         watchdog.start()
     entrypoint, args = entry
+    if watch is not None:
+        watch.start()
     try:
         elastic_launch(launch_config, entrypoint)(*args)
     except ChildFailedError as err:
+        if watch is not None and watch.fired:
+            return watch.fired  # stopped at a step boundary, for the next generation
         codes = {f.exitcode for f in err.failures.values()}
         if EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}:
             raise WorkersPreempted(preempted_message(run_dir)) from None
@@ -309,6 +410,8 @@ def start_workers(
             return watchdog.fired
         return describe_failures(err, log_dir, exits.ended)
     finally:
+        if watch is not None:
+            watch.stop()
         del store  # the single-node rendezvous store closes with the job
         os.environ.pop(HEARTBEAT_ENV, None)
         exits.stop()

@@ -93,6 +93,8 @@ def _create_handler(params):
 
     backend, store = create_backend(params)
     join = timedelta(seconds=params.get_as_int("join_timeout", 600))
+    # an elastic job's nodes wait this long for more of them once min_nodes have arrived
+    last_call = timedelta(seconds=params.get_as_int("last_call_timeout", 30))
     return BoundRendezvousHandler.from_backend(
         params.run_id,
         store,
@@ -100,7 +102,7 @@ def _create_handler(params):
         params.min_nodes,
         params.max_nodes,
         params.local_addr,
-        RendezvousTimeout(join=join),
+        RendezvousTimeout(join=join, last_call=last_call),
     )
 
 
@@ -121,10 +123,20 @@ def host_store(host: str, port: int, timeout: timedelta):
     return None
 
 
-def join(endpoint: str, rdzv_id: str, token: str, nodes: int, config: dict, timeout_s: float):
+def join(
+    endpoint: str,
+    rdzv_id: str,
+    token: str,
+    nodes: int,
+    config: dict,
+    timeout_s: float,
+    late: bool = False,
+):
     """Meet the other nodes at the rendezvous store and check that every node composed the same
-    config, signed with the job's token. Returns this node's arrival (0: the first).
-    Raises ConfigError for a different config or a node without the token."""
+    config, signed with the job's token. Returns this node's arrival (0: the first; `nodes` or
+    more: a node of an elastic job (`late`) that comes back while the others train, checked
+    against the first node's config). Raises ConfigError for a different config or a node
+    without the token."""
     from torch.distributed import TCPStore
 
     host, _, port = endpoint.rpartition(":")
@@ -136,6 +148,11 @@ def join(endpoint: str, rdzv_id: str, token: str, nodes: int, config: dict, time
         _stores.append(store)
     prefix = f"fw-join/{rdzv_id}/{len(_stores)}"  # a sweep's jobs meet one after another
     arrival = store.add(f"{prefix}/arrived", 1) - 1
+    hidden = f"{prefix}/{keyed(token, prefix)}"
+    if arrival >= nodes and late:
+        store.wait([f"{hidden}/config/0"], timeout)
+        check_same(config, _verified(store.get(f"{hidden}/config/0"), token, endpoint))
+        return arrival
     if arrival >= nodes:
         raise ConfigError(
             "trainer.num_nodes",
@@ -146,7 +163,6 @@ def join(endpoint: str, rdzv_id: str, token: str, nodes: int, config: dict, time
     # in the open: each node's proof that it holds the token (a MAC, useless without it); the
     # configs under a key only the token's holders can compute, signed with it
     store.set(f"{prefix}/proof/{arrival}", keyed(token, f"{prefix}/{arrival}"))
-    hidden = f"{prefix}/{keyed(token, prefix)}"
     text = json.dumps(config, sort_keys=True, default=str)
     store.set(f"{hidden}/config/{arrival}", json.dumps({"config": text, "mac": keyed(token, text)}))
     proofs = [f"{prefix}/proof/{n}" for n in range(nodes)]
@@ -176,17 +192,22 @@ def join(endpoint: str, rdzv_id: str, token: str, nodes: int, config: dict, time
     if hosting is not None:  # the store lives in this process: stay until every node read it
         store.wait([f"{prefix}/checked/{n}" for n in range(nodes)], timeout)
     for other in configs:
-        differ = config_difference(configs[arrival], other)
-        if differ is not None:
-            key, value, theirs = differ
-            raise ConfigError(
-                key,
-                value,
-                f"the nodes of one job composed different configs (another node has {theirs})",
-                hint="Start every node with the same command; run.dir must name the same "
-                "shared directory on each.",
-            )
+        check_same(configs[arrival], other)
     return arrival
+
+
+def check_same(mine: dict, other: dict) -> None:
+    """ConfigError naming the first key whose value differs between two nodes' configs."""
+    differ = config_difference(mine, other)
+    if differ is not None:
+        key, value, theirs = differ
+        raise ConfigError(
+            key,
+            value,
+            f"the nodes of one job composed different configs (another node has {theirs})",
+            hint="Start every node with the same command; run.dir must name the same "
+            "shared directory on each.",
+        )
 
 
 def meeting(token: str, rdzv_id: str) -> str:
@@ -236,3 +257,38 @@ def config_difference(a, b, key: str = "") -> tuple[str, object, object] | None:
                 return found
         return None
     return None if a == b else (key or "config", a, b)
+
+
+class Generations:
+    """The starts of an elastic job's workers on a set of nodes, counted in the rendezvous
+    store: a lost node or a node that comes back moves every node to the next generation, whose
+    torch rendezvous forms the new world. Keys under a name only the token's holders know."""
+
+    def __init__(self, endpoint: str, token: str, rdzv_id: str, timeout_s: float) -> None:
+        from torch.distributed import TCPStore
+
+        host, _, port = endpoint.rpartition(":")
+        timeout = timedelta(seconds=timeout_s)
+        self.store = TCPStore(host, int(port), is_master=False, timeout=timeout)
+        self.name = meeting(token, rdzv_id)  # this job's rendezvous name, as start_workers's
+        self.prefix = f"fw-elastic/{self.name}"
+
+    def current(self) -> int:
+        return self.store.add(f"{self.prefix}/gen", 0)
+
+    def count(self, what: str, generation: int, add: int = 0) -> int:
+        """How many nodes started (`members`) or ended (`stopped`) their workers in a
+        generation (`add`: count this node)."""
+        return self.store.add(f"{self.prefix}/{what}/{generation}", add)
+
+    def advance(self, generation: int, expect: int | None = None) -> int:
+        """Move the job past `generation` (a no-op when another node already did); `expect`:
+        the nodes the next generation waits for (else launcher.min_nodes). The new number."""
+        if expect is not None:
+            self.store.set(f"{self.prefix}/expect/{generation + 1}", str(expect))
+        self.store.compare_set(f"{self.prefix}/gen", str(generation), str(generation + 1))
+        return self.current()
+
+    def expected(self, generation: int) -> int | None:
+        key = f"{self.prefix}/expect/{generation}"
+        return int(self.store.get(key)) if self.store.check([key]) else None

@@ -1,0 +1,239 @@
+"""An elastic job (`launcher.min_nodes` below `trainer.num_nodes`) loses a node and grows back.
+
+Two `fw` processes on this machine stand for two nodes (as in test_slurm.py). Node 2's fw
+process is killed with -9 after the first checkpoint: node 1 goes on alone from that checkpoint
+with the same global batch (twice the per-rank batch), and when node 2's command is started
+again the job is back at two processes from the next step. The losses are those of an
+uninterrupted two-process run, every step is logged once and every sample of the epoch is
+trained once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from framework.data.sampler import GlobalOrderSampler
+from tests.conftest import FW, QUIET, fw, fw_env, metric_rows, read_metrics, refused
+from tests.tasks import RecordingDigitsTask
+
+STEPS = 20  # within the first epoch: every sample at most once
+GLOBAL_BATCH = 64
+ARGS = [
+    "task._target_=tests.distributed.test_elastic.SlowRecordingDigits",
+    "~task.model.dropout",
+    "task.data._target_=tests.tasks.IndexedDigits",
+    "~task.data.val_fraction",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.deterministic=true",
+    "callbacks.checkpoint.every_n_steps=4",
+    *QUIET,
+]
+
+
+class SlowRecordingDigits(RecordingDigitsTask):
+    """Records its samples (RecordingDigitsTask), sleeps `step_sleep` each step, and alone (one
+    process) holds at step `hold_step` while the file `<out>/hold` exists: the test releases it
+    once the node started again has joined, so the job is still running when it does."""
+
+    def __init__(
+        self, out: str, hidden: int = 16, step_sleep: float = 0.1, hold_step: int = 8
+    ) -> None:
+        super().__init__(out, hidden=hidden)
+        self.step_sleep, self.hold_step = step_sleep, hold_step
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.step_sleep)
+        hold = Path(self.out) / "hold"
+        deadline = time.monotonic() + 120
+        alone = self.trainer.world_size == 1 and self.trainer.global_step == self.hold_step
+        while alone and hold.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # one line per step and rank, tagged with the step, so that steps a restart trains
+        # again can be told apart
+        path = os.path.join(self.out, f"seen-rank{self.global_rank}.txt")
+        with open(path, "a") as fh:
+            ids = " ".join(str(i) for i in self._idx.tolist())
+            fh.write(f"{self.trainer.global_step - 1}:{self.trainer.world_size}:{ids}\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def node(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(FW), "train", *args],
+        cwd=cwd,
+        # two "nodes" share this machine's cores: one thread each, as the reference's workers
+        env={**fw_env(), "FW_RDZV_TOKEN": "job-token", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(check, what: str, procs, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"{what}: a node ended: " + p.stderr.read()[-3000:]
+        if check():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def follow(proc: subprocess.Popen) -> list[str]:
+    """The lines of a process's stderr, read as they come (in a thread)."""
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def world_sizes(run: Path) -> list[tuple[int, int]]:
+    if not (run / "metrics.csv").exists():
+        return []
+    rows = read_metrics(run)
+    return [(int(r["step"]), int(float(r["world_size"]))) for r in rows if r.get("world_size")]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["launcher.min_nodes=3"], "launcher.min_nodes=3: more than trainer.num_nodes=2"),
+        (["launcher.min_nodes=0"], "launcher.min_nodes"),
+        # three nodes x 33 = 99 samples a step: two nodes cannot split them evenly
+        (
+            ["trainer.num_nodes=3", "launcher.min_nodes=2", "task.data.batch_size=33"],
+            "on 2 node(s) (2 data-parallel ranks) no per-rank batch x accumulation keeps the "
+            "global batch",
+        ),
+    ],
+)
+def test_a_bad_elastic_setting_is_refused_before_anything_starts(
+    args, message, workdir, monkeypatch, capsys
+):
+    monkeypatch.setenv("FW_RDZV_TOKEN", "job-token")
+    common = [
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+        f"launcher.rdzv_endpoint=localhost:{free_port()}",
+    ]
+    err = refused([*common, *args, *QUIET], workdir, monkeypatch, capsys)
+    assert message in err, err
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The same training on two processes of one machine, uninterrupted."""
+    cwd = tmp_path_factory.mktemp("reference")
+    (cwd / "seen").mkdir()
+    done = fw(
+        "train",
+        *ARGS,
+        f"+task.model.out={cwd / 'seen'}",
+        "trainer.devices=2",
+        f"task.data.batch_size={GLOBAL_BATCH // 2}",
+        "run.dir=run",
+        cwd=cwd,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cwd / "run"
+
+
+@pytest.mark.slow
+def test_a_lost_node_shrinks_the_job_and_its_return_grows_it(workdir, reference):
+    out = workdir / "seen"
+    out.mkdir()
+    (out / "hold").touch()
+    port = free_port()
+    args = [
+        *ARGS,
+        f"+task.model.out={out}",
+        "trainer.devices=1",
+        "trainer.num_nodes=2",
+        f"task.data.batch_size={GLOBAL_BATCH // 2}",
+        f"launcher.rdzv_endpoint=localhost:{port}",
+        "launcher.min_nodes=1",
+        "launcher.max_restarts=3",
+        "launcher.join_timeout_s=60",
+        "run.dir=run",
+    ]
+    run = workdir / "run"
+    first = node(args, workdir)
+    procs = [first]
+    try:
+        wait_for(lambda: listening(port), "node 1 hosts the rendezvous", procs)
+        second = node(args, workdir)
+        procs.append(second)
+        wait_for(lambda: (run / "checkpoints" / "step00000004").exists(), "a checkpoint", procs)
+        os.kill(second.pid, signal.SIGKILL)  # the whole node: its fw process, then its worker
+        second.communicate(timeout=60)
+        procs = [first]
+        wait_for(lambda: any(w == 1 for _, w in world_sizes(run)), "node 1 goes on alone", procs)
+        again = node(args, workdir)  # the same command, started again
+        procs = [first, again]
+        lines = follow(again)
+        wait_for(lambda: any("Joining the running job" in x for x in lines), "joins", procs)
+        (out / "hold").unlink()
+        ends = [p.wait(timeout=240) for p in procs]
+        errs = [first.communicate()[1], "\n".join(lines)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert ends == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    sizes = world_sizes(run)
+    assert [s for s, _ in sizes] == list(range(STEPS)), "every step logged once"
+    shape = [w for i, (_, w) in enumerate(sizes) if i == 0 or sizes[i - 1][1] != w]
+    assert shape == [2, 1, 2], f"shrank to one process, grew back to two: {sizes}"
+    got, want = dict(metric_rows(run)), dict(metric_rows(reference))
+    assert sorted(got) == sorted(want) == list(range(STEPS))
+    worst = max(abs(float(got[s]) - float(want[s])) for s in got)
+    assert worst < 1e-5, f"losses differ from the uninterrupted run by up to {worst:g}"
+    seen = trained_samples(out)
+    assert seen == trained_samples(reference.parent / "seen"), "each step, the same samples"
+    ids = [i for step in seen.values() for i in step]
+    n_train = 1797 - int(1797 * 0.2)  # the digits train split
+    order = GlobalOrderSampler(n_train, seed=0, num_replicas=1, rank=0).global_order().tolist()
+    assert sorted(ids) == sorted(order[: STEPS * GLOBAL_BATCH]), "every sample once, none skipped"
+    assert "World size 1 of 2" in errs[0], errs[0][-3000:]
+
+
+def trained_samples(out: Path) -> dict[int, list[int]]:
+    """The sample ids each step trained, as the last start that ran the step recorded them."""
+    by_step: dict[int, dict[int, tuple[int, list[int]]]] = {}
+    for rank_file in sorted(out.glob("seen-rank*.txt")):
+        rank = int(rank_file.stem.removeprefix("seen-rank"))
+        for line in rank_file.read_text().splitlines():
+            step, world, ids = line.split(":")
+            by_step.setdefault(int(step), {})[rank] = (int(world), [int(i) for i in ids.split()])
+    steps = {}
+    for step, ranks in sorted(by_step.items()):
+        world = ranks[0][0]  # a rank above the last start's world size is from an earlier one
+        steps[step] = sorted(i for r, (_, ids) in ranks.items() if r < world for i in ids)
+    return steps
