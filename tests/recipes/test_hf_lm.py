@@ -84,11 +84,13 @@ def test_a_directory_without_weights_is_refused(tmp_path, monkeypatch, capsys):
 
 
 def test_a_checkpoint_converted_while_loading_is_refused(tmp_path, monkeypatch, capsys):
-    """Mixtral's files hold one weight per expert, its model one fused tensor: refused before
-    launch, not a failure in every worker."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    """A family whose files transformers converts while loading in a way the framework does
+    not read slice by slice (GraniteMoE: its experts renamed by a regular expression) is refused
+    before launch, not a failure in every worker. (Mixtral's and Qwen3-MoE's per-expert files
+    load: tests/distributed/test_hf_pretrained.py.)"""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
-    config = MixtralConfig(
+    config = GraniteMoeConfig(
         vocab_size=256,
         hidden_size=32,
         intermediate_size=64,
@@ -97,9 +99,9 @@ def test_a_checkpoint_converted_while_loading_is_refused(tmp_path, monkeypatch, 
         num_key_value_heads=2,
         num_local_experts=4,
     )
-    model = tmp_path / "mixtral"
-    MixtralForCausalLM(config).save_pretrained(model)
+    model = tmp_path / "granitemoe"
+    GraniteMoeForCausalLM(config).save_pretrained(model)
     capsys.readouterr()  # transformers' progress bar
     args = ["task=hf_lm", f"task.model.pretrained={model}", "task.data.tokenizer=bytes"]
     err = refused(args, tmp_path, monkeypatch, capsys)
-    assert f"task.model.pretrained={model}: holds a 'mixtral' checkpoint" in err
+    assert f"task.model.pretrained={model}: holds a 'granitemoe' checkpoint" in err
