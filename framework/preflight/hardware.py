@@ -145,7 +145,10 @@ def known_device(name: str) -> Device:
         if "".join(key.lower().split()) == wanted:
             return DEVICES[ALIASES.get(key, key)]
     raise ConfigError(
-        "--gpu", name, "is not a known GPU", [*DEVICES, *ALIASES],
+        "--gpu",
+        name,
+        "is not a known GPU",
+        [*DEVICES, *ALIASES],
         hint="Or measure this machine with `fw calibrate --out FILE` and pass --hardware FILE.",
     )
 
@@ -163,12 +166,16 @@ def read_calibration(path: str) -> Device:
         record = json.loads(source.read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(
-            "--hardware", path, f"is not a calibration file ({type(err).__name__})",
+            "--hardware",
+            path,
+            f"is not a calibration file ({type(err).__name__})",
             hint="Write one with `fw calibrate --out FILE`.",
         ) from None
     if not isinstance(record, dict) or record.get("kind") != CALIBRATION_KIND:
         raise ConfigError(
-            "--hardware", path, f"is not a calibration file (no \"kind\": \"{CALIBRATION_KIND}\")",
+            "--hardware",
+            path,
+            f'is not a calibration file (no "kind": "{CALIBRATION_KIND}")',
             hint="Write one with `fw calibrate --out FILE`.",
         )
     try:

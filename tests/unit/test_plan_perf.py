@@ -1,0 +1,204 @@
+"""`fw plan`'s step-time model (framework/preflight/perf.py) and its time-and-cost output:
+the FLOPs it counts equal the throughput callback's counter, each term equals its formula by
+hand, `--json` has the documented keys, `--sort cost` orders by cost, hours and cost follow
+from tokens/s, and bad input exits 2 before anything is planned."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from framework.cli import main
+from framework.preflight.hardware import DEVICES, Device, Link, known_device, write_calibration
+from framework.preflight.perf import Work, collective_s, predict
+
+TINY = ["experiment=gpt_tiny", "task.data.batch_size=8"]
+KEYS = {"overrides", "step_s", "tokens_per_s", "mfu", "memory_gib", "hours", "cost"}
+
+
+def composed_tiny():
+    from framework.config.compose import compose_config
+    from framework.instantiate import instantiate_args
+    from framework.runner import resolve
+
+    cfg = compose_config([*TINY, "trainer.accelerator=cpu", "trainer.devices=1"])
+    resolve(cfg)
+    torch.manual_seed(0)
+    data = instantiate_args(cfg.task.data)
+    data.setup("fit")
+    return cfg, next(iter(data.train_dataloader()))
+
+
+def test_flops_per_step_equal_the_throughput_callbacks_counter():
+    from framework.instantiate import build_task
+    from framework.perf import flop_counter
+    from framework.preflight.perf import count_replica
+    from framework.preflight.simulate import whole_step
+
+    cfg, batch = composed_tiny()
+    counted = count_replica(cfg, batch)
+    task = build_task(cfg.task)
+    counter = flop_counter()  # what callbacks.throughput logs as perf/flops_per_batch
+    with counter:
+        whole_step(task, batch, False)()
+    assert counted.flops == counter.get_total_flops() > 0
+    assert counted.tokens == batch[0].numel() and counted.ops > 0
+
+
+def layout(**changes):
+    facts = {
+        "tp": 1,
+        "pp": 1,
+        "precision": "bf16-mixed",
+        "data_ranks": 8,
+        "microbatches": 1,
+        "virtual_stages": 1,
+        "traffic": {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "experts": 0.0},
+        "group_sizes": {"data": 8, "tensor": 1, "experts": 1, "pipeline": 1},
+        "spans_nodes": {"data": False, "tensor": False, "experts": False, "pipeline": False},
+        "tensor_collectives": 0,
+        "expert_collectives": 0,
+        "pipeline_sends": 0,
+        "state_bytes": {"params": 0, "grads": 0, "optimizer": 0},
+    }
+    for key, value in changes.items():  # a nested dict updates its entries
+        facts[key] = {**facts[key], **value} if isinstance(value, dict) else value
+    return facts
+
+
+WORK = Work(flops=1e15, other_bytes=0.0, ops=0, tokens=16384, rows=2)
+H100 = DEVICES["H100 SXM"]
+
+
+def test_compute_is_the_ranks_flops_over_peak_times_efficiency():
+    p = predict(WORK, layout(), H100)
+    assert p.compute_s == pytest.approx(1e15 / (989e12 * 0.7))
+    assert p.tokens_per_step == 16384 * 8
+    assert p.mfu == pytest.approx(0.7)  # compute alone: the efficiency
+    halves = predict(WORK, layout(tp=2, group_sizes={"tensor": 2, "data": 4}), H100)
+    assert halves.compute_s == pytest.approx(p.compute_s / 2)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 1), (4, 8, 1), (4, 8, 2)])
+def test_bubble_is_the_schedules_formula(p, m, v):
+    pred = predict(WORK, layout(pp=p, microbatches=m, virtual_stages=v), H100)
+    assert pred.bubble_s == pytest.approx(pred.compute_s * (p - 1) / (v * m))
+    if v == 1:  # the idle share of the step benchmarks/pipeline.py measures
+        share = pred.bubble_s / (pred.bubble_s + pred.compute_s)
+        assert share == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_communication_is_bytes_over_the_link_it_crosses_with_latency():
+    link = Link("test", 100.0, 1e-5)
+    assert collective_s(8e9, 4, 8, link) == pytest.approx(8e9 * 7 / 8 / 100e9 + 4 * 3 * 1e-5)
+    tensor = {"data": 0.0, "tensor": 4e9, "pipeline": 0.0, "experts": 0.0}
+    within = predict(
+        WORK, layout(tp=8, traffic=tensor, group_sizes={"tensor": 8, "data": 1},
+                     tensor_collectives=10), H100,
+    )  # fmt: skip
+    assert within.comm_s == pytest.approx(collective_s(4e9, 10, 8, H100.intra))
+    across = layout(
+        tp=8, traffic=tensor, group_sizes={"tensor": 8, "data": 1}, tensor_collectives=10,
+        spans_nodes={"data": False, "tensor": True, "experts": False, "pipeline": False},
+    )  # fmt: skip
+    assert predict(WORK, across, H100).comm_s == pytest.approx(collective_s(4e9, 10, 8, H100.inter))
+
+
+def test_data_parallel_traffic_hides_behind_compute_except_its_last_bucket():
+    data = {"data": 2 * 16e9, "tensor": 0.0, "pipeline": 0.0, "experts": 0.0}
+    pred = predict(WORK, layout(traffic=data), H100)
+    whole = collective_s(32e9, math.ceil(32e9 / (25 * 2**20)), 8, H100.intra)
+    buckets = math.ceil(32e9 / (25 * 2**20))
+    assert pred.comm_s == pytest.approx(max(whole / buckets, whole - pred.compute_s))
+    nothing_hidden = Device(**{**H100.__dict__, "overlap": 0.0})
+    assert predict(WORK, layout(traffic=data), nothing_hidden).comm_s == pytest.approx(whole)
+
+
+def test_optimizer_step_is_memory_bound():
+    states = {"params": 4e9, "grads": 4e9, "optimizer": 8e9}
+    pred = predict(WORK, layout(state_bytes=states), H100)
+    assert pred.optimizer_s == pytest.approx((8e9 + 4e9 + 16e9) / 3350e9)
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def priced(tmp_path_factory):
+    """One `fw plan --json --sort cost` over 2 H100s, shared by the output tests."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "framework.cli", "plan", "--gpus", "2", "--gpu", "H100",
+         "--tokens", "1e9", "--price-per-gpu-hour", "2.5", "--json", "--sort", "cost", *TINY],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_json_lists_every_fitting_layout_with_the_documented_keys(priced):
+    assert len(priced) >= 5
+    for row in priced:
+        assert set(row) >= KEYS, row
+        assert row["overrides"][: len(TINY)] == TINY
+    assert sum(r["recommended"] for r in priced) == 1
+
+
+def test_sort_cost_orders_by_cost(priced):
+    costs = [r["cost"] for r in priced]
+    assert costs == sorted(costs)
+
+
+def test_hours_and_cost_by_hand(priced):
+    row = next(r for r in priced if r["overrides"][-1] == "strategy=ddp")
+    tokens_per_step = 2 * 8 * 64  # two data ranks x batch 8 x block 64
+    assert row["tokens_per_s"] == pytest.approx(tokens_per_step / row["step_s"])
+    hours = 1e9 / row["tokens_per_s"] / 3600
+    assert row["hours"] == pytest.approx(hours)
+    assert row["cost"] == pytest.approx(hours * 2 * 2.5)
+
+
+def test_the_recommendation_is_the_simplest_within_5_percent(priced):
+    best = max(r["tokens_per_s"] for r in priced)
+    near = [r for r in priced if r["tokens_per_s"] * 1.05 >= best]
+    chosen = next(r for r in priced if r["recommended"])
+    assert chosen["order"] == min(r["order"] for r in near)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpu", "H1000"], "--gpu=H1000: is not a known GPU"),
+        (["--gpu", "H100", "--price-per-gpu-hour", "-1"], "--price-per-gpu-hour=-1: must be"),
+        (["--gpu", "H100", "--tokens", "-5e9"], "--tokens=-5e9: must be a number above zero"),
+        (["--gpu", "H100", "--sort", "speed"], "--sort=speed: is not a sort order"),
+        (["--gpu", "H100", "--measure", "2"], "--measure=2: runs the layouts here"),
+        (["--gpu-mem", "80GB", "--json"], "predictions need a device"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, message, capsys):
+    if "--measure" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU to measure on")
+    code, out, err = run(["--gpus", "2", *args, *TINY], capsys)
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not out
+
+
+def test_a_file_that_is_not_a_calibration_exits_2(tmp_path, capsys):
+    other = tmp_path / "config.yaml"
+    other.write_text("trainer:\n  max_steps: 3\n")
+    code, _, err = run(["--gpus", "2", "--hardware", str(other), *TINY], capsys)
+    assert code == 2 and f"--hardware={other}: is not a calibration file" in err, err
+    good = tmp_path / "calibration.json"
+    write_calibration(known_device("h100 sxm"), good)
+    from framework.preflight.hardware import read_calibration
+
+    assert read_calibration(str(good)) == DEVICES["H100 SXM"]
