@@ -46,9 +46,9 @@ def placement(args: list[str]) -> None:
     """fw check's placement step for a CUDA target (ConfigError when a rank misplaces)."""
     from framework.preflight.check import check_placement, composed, first_batch
 
-    cfg, world = composed([*args, "trainer.accelerator=gpu"], None)
-    assert world.is_cuda
-    check_placement(cfg, world, first_batch(cfg, world), None)
+    cfg, plan = composed([*args, "trainer.accelerator=gpu"], None)
+    assert plan.world.is_cuda
+    check_placement(cfg, plan, first_batch(cfg, plan), None)
 
 
 def test_the_parallel_presets_are_all_checked():
