@@ -34,7 +34,6 @@ from framework.errors import ConfigError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from framework.config.job_plan import JobPlan
     from framework.context import RunContext
     from framework.parallel.dims import ParallelDims
     from framework.strategy_base import StrategyInputs
@@ -235,12 +234,13 @@ class LauncherPlugin(Protocol):
         nodes (raise ConfigError when their `config` differs from this node's). Returns whether
         this node writes the run directory. Runs in the `fw` process."""
 
-    def build(self, cfg: Any, plan: JobPlan) -> Callable[[Path, Path | None], None]:
+    def build(self, cfg: Any, plan: Any) -> Callable[[Path, Path | None], None]:
         """A function `launch(config_path, resume_from)` that runs the job's workers (each
         enters through `framework.worker.entry`) and returns when they are done. `plan`: the
-        job as validation planned it (framework/config/job_plan.py: `plan.world` is its process
-        layout); a worker in this process trains from it (`entry(..., plan=plan)`), a worker
-        process makes its own from config.yaml. Runs in the `fw` process."""
+        job as validation planned it (a framework.config.job_plan.JobPlan, which imports this
+        module; `plan.world` is its process layout); a worker in this process trains from it
+        (`entry(..., plan=plan)`), a worker process makes its own from config.yaml. Runs in
+        the `fw` process."""
 
 
 PROTOCOLS: dict[str, type] = {
