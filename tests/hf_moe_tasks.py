@@ -90,8 +90,9 @@ class PlainMoE(pl.LightningModule):
 class RouterCounts(pl.Callback):
     """Per optimizer step, the tokens the model's own routers (transformers' TopKRouter modules,
     kept by the expert-parallel swap) sent to each expert, summed over all ranks; rank 0 writes
-    them to `out`/router-counts.json. Read from the routers' outputs, independently of the
-    framework's own counts."""
+    them to `out`/router-counts.json (each token once: the ranks of a tensor-parallel group
+    route the same tokens). Read from the routers' outputs, independently of the framework's
+    own counts."""
 
     def __init__(self, out: str) -> None:
         self.out = out
@@ -119,6 +120,10 @@ class RouterCounts(pl.Callback):
         counts = self.counts.clone()
         if dist.is_initialized():
             dist.all_reduce(counts)
+            # tensor-parallel ranks route the same tokens: count each token once
+            counts //= (
+                trainer.world_size // trainer.strategy.distributed_sampler_kwargs["num_replicas"]
+            )
         self.steps.append(counts.tolist())
         self.counts.zero_()
 

@@ -193,13 +193,21 @@ def hf_plan(
     skip: tuple[str, ...] | list[str] = (),
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    experts: tuple[str, ...] | list[str] = (),
 ) -> dict[str, str]:
     """{module name: framework style} from the plans of the transformers models in `model`, for
     each module of theirs a pattern names (wildcards expanded to real names, so an entry of
-    `strategy.tp_plan` for one layer replaces exactly that layer's), but those `skip` names;
-    sequence parallel and loss parallel as `hf.sequence_plan` and `hf.loss_plan` make them.
-    A transformers style the framework cannot apply is a ConfigError naming it and the module."""
+    `strategy.tp_plan` for one layer replaces exactly that layer's), but those `skip` names and
+    what is inside the MoE blocks expert parallel splits instead (`experts`: their paths, and
+    every block already swapped for a framework layer; tensor-parallel ranks hold the same
+    tokens, so they keep these experts whole); sequence parallel and loss parallel as
+    `hf.sequence_plan` and `hf.loss_plan` make them. A transformers style the framework cannot
+    apply is a ConfigError naming it and the module."""
     from framework.nn import hf
+    from framework.nn.hf_moe import TransformersMoE
+
+    swapped = [n for n, m in model.named_modules() if isinstance(m, TransformersMoE)]
+    whole = tuple(f"{p}." for p in (*experts, *swapped))
 
     patterns = hf.plan_patterns(model)
     if not patterns:
@@ -213,7 +221,7 @@ def hf_plan(
     names = [*modules, *(name for name, _ in model.named_parameters())]
     whole_modules = set(modules)
     for name in names:
-        if any(matches(p, name) for p in skip):
+        if any(matches(p, name) for p in skip) or f"{name}.".startswith(whole):
             continue
         for pattern, transformers_style in patterns.items():
             if matches(pattern, name):

@@ -1,5 +1,6 @@
 """Expert parallel for transformers MoE models: a plain LightningModule holding a tiny Qwen3-MoE
-or Mixtral (random init, no download) under ep = 2, and ep = 2 x fsdp = 2, trains as one process
+or Mixtral (random init, no download) under ep = 2, ep = 2 x fsdp = 2 and ep = 2 x tp = 2 (the
+attention and q/k norms split by the model's plan, the experts by ep), trains as one process
 does: the same losses, every token to the same experts, the same gradients; the framework's load
 metrics are logged and count what the model's own routers chose; each rank holds its share of
 the experts; the checkpoint exports to a directory transformers loads by the model's own names.
@@ -38,8 +39,11 @@ PLAIN = [
 LAYOUTS = {
     "ep2": ["strategy=expert", "trainer.devices=2", "task.data.batch_size=4"],
     "ep2xfsdp2": ["strategy=fsdp", "strategy.ep=2", "trainer.devices=4", "task.data.batch_size=2"],
+    # tp ranks share a batch: 2 data ranks of 4 sequences; attention split by the model's plan
+    "ep2xtp2": ["strategy=fsdp_tp", "strategy.ep=2", "trainer.devices=4", "task.data.batch_size=4"],
 }
-LOCAL_EXPERTS = {"ep2": 2, "ep2xfsdp2": 1}  # of 4 per layer: split over ep, then FSDP over efsdp
+# of 4 per layer: split over ep, then FSDP over efsdp; tp ranks keep the same experts whole
+LOCAL_EXPERTS = {"ep2": 2, "ep2xfsdp2": 1, "ep2xtp2": 2}
 SHAPES = ["+callbacks.shapes._target_=tests.tasks.LocalShapes", "+callbacks.shapes.out=OUT"]
 CHECKPOINT = ["+callbacks.checkpoint.kind=checkpoint", "+callbacks.checkpoint.every_n_steps=10"]
 
@@ -90,7 +94,8 @@ def logged_counts(run) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("family", "layout"), [("qwen3_moe", "ep2"), ("mixtral", "ep2"), ("mixtral", "ep2xfsdp2")]
+    ("family", "layout"),
+    [("qwen3_moe", "ep2"), ("mixtral", "ep2"), ("mixtral", "ep2xfsdp2"), ("qwen3_moe", "ep2xtp2")],
 )
 def test_expert_parallel_trains_a_transformers_moe_model_as_one_process(
     family, layout, one_process, expert_parallel
@@ -113,6 +118,8 @@ def test_expert_parallel_trains_a_transformers_moe_model_as_one_process(
     experts = LOCAL_EXPERTS[layout]
     assert shapes["lm.model.layers.0.mlp.experts.gate_up_proj"] == [experts, 64, 64]
     assert shapes["lm.model.layers.1.mlp.experts.down_proj"] == [experts, 64, 32]
+    if layout == "ep2xtp2":  # o_proj (64 x 64) split by tp over its inputs, then FSDP's rows
+        assert shapes["lm.model.layers.0.self_attn.o_proj.weight"] == [32, 32], shapes
 
 
 def test_an_expert_parallel_checkpoint_exports_to_the_hugging_face_format(

@@ -70,9 +70,11 @@ def test_a_style_the_framework_cannot_apply_is_refused_naming_it_and_its_module(
         hf_plan(qwen3_moe())
 
 
-def test_qwen3_per_head_norms_keep_their_weights_whole_with_gradients_summed():
-    experts = ["lm.model.layers.*.mlp.experts", "lm.model.layers.*.mlp.experts.*"]
-    plan = hf_plan(qwen3_moe(), skip=experts)
+def test_under_expert_parallel_tp_splits_the_attention_and_leaves_the_experts_to_ep():
+    plan = hf_plan(qwen3_moe(), experts=["lm.model.layers.0.mlp"])
+    assert not [name for name in plan if ".mlp." in name], plan
+    assert plan["lm.model.layers.0.self_attn.o_proj"] == "rowwise"
+    # Qwen3's per-head norms: weights whole, gradients summed over the ranks
     assert plan["lm.model.layers.0.self_attn.q_norm"] == "replicated_grad_sum"
     assert plan["lm.model.layers.0.self_attn.k_norm"] == "replicated_grad_sum"
 

@@ -57,31 +57,35 @@ def tensor_parallel(cfg: Any, dims: ParallelDims, job: Any) -> None:
     model = model_of(job)
     if cfg.tp_plan:
         plan_names(cfg.tp_plan, model)
-    transformers_models(cfg, model, dims.tp)
+    transformers_models(cfg, model, dims)
     if not cfg.tp_plan:
         some_plan(model, dims.tp)
     tensor_dims(job.task, dims.tp, cfg.sequence_parallel)
 
 
-def transformers_models(cfg: Any, model, tp: int) -> None:
+def transformers_models(cfg: Any, model, dims: ParallelDims) -> None:
     """The plans of the transformers models in the task (if any) apply as the workers will apply
-    them: every style known (but where strategy.tp_plan replaces it), a sequence-parallel form
-    for every module when sequence_parallel is on, heads that split evenly."""
+    them: every style known (but where strategy.tp_plan replaces it, and inside the MoE blocks
+    that ep > 1 splits instead), a sequence-parallel form for every module when
+    sequence_parallel is on, heads that split evenly."""
     from framework.nn import hf
+    from framework.nn.hf_moe import sparse_blocks
     from framework.nn.plan import hf_plan
 
     if not hf.models(model):
         return
     skip = [str(e).rpartition(":")[0] for e in cfg.tp_plan]
-    hf_plan(model, skip, cfg.sequence_parallel, cfg.loss_parallel)
-    hf.check_heads(model, tp)
+    experts = [b.path for b in sparse_blocks(model, dims.ep)] if dims.ep > 1 else []
+    hf_plan(model, skip, cfg.sequence_parallel, cfg.loss_parallel, experts)
+    hf.check_heads(model, dims.tp)
 
 
 def some_plan(model, tp: int) -> None:
     """tp > 1 must split something: the model's own plans, or an automatic one (logged)."""
-    from framework.nn.plan import auto_plan, collect_plan, hf_plan
+    from framework.nn import hf
+    from framework.nn.plan import auto_plan, collect_plan
 
-    if hf_plan(model):
+    if hf.plan_patterns(model):  # checked by transformers_models
         log.info(
             "Tensor parallel: %s split by its transformers models' own plans: %s",
             type(model).__name__,
