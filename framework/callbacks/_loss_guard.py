@@ -74,7 +74,7 @@ class LossGuard(pl.Callback):
         # step -> (epoch, first, end): the samples of that step, as positions in the epoch's
         # global order (all data ranks together)
         self.positions: dict[int, tuple[int, int, int]] = {}
-        self.held: list[Any] = []  # schedules held still until the next batch starts
+        self.held: list[tuple[Any, str]] = []  # (object, method) held still until the next batch
         skip_unused(self)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -113,7 +113,7 @@ class LossGuard(pl.Callback):
                 "step; nothing of this step was saved"
             )
         for opt in trainer.optimizers:  # no gradient: the optimizer step changes nothing
-            opt.zero_grad(set_to_none=True)
+            self.drop_gradients(opt)
         back_to = self.rollback(trainer) if self.cfg.action == "rollback" else None
         self.hold_schedules(trainer)
         steps = list(range(back_to, step + 1)) if back_to is not None else [step]
@@ -196,17 +196,38 @@ class LossGuard(pl.Callback):
             connector._loaded_checkpoint = {}
         return int(checkpointing.read_meta(path)["step"])
 
+    def drop_gradients(self, optimizer) -> None:
+        """Make the coming optimizer step change nothing. A torch optimizer passes by the
+        parameters without a gradient (no update, no momentum, no weight decay). DeepSpeed's ZeRO
+        optimizers keep the reduced gradients in their own buffers and step on them: for this
+        step they find an overflow, as they would for a NaN, which clears the buffers and skips
+        the update."""
+        if hasattr(optimizer, "check_overflow") and hasattr(optimizer, "scaled_global_norm"):
+
+            def overflowed(*args: Any, **kwargs: Any) -> None:
+                optimizer.overflow = True
+
+            def infinite(*args: Any, **kwargs: Any) -> torch.Tensor:
+                return torch.tensor(math.inf)
+
+            # in fp16 the overflow check finds it, in fp32 and bf16 the gradient norm
+            optimizer.check_overflow, optimizer.scaled_global_norm = overflowed, infinite
+            self.held += [(optimizer, "check_overflow"), (optimizer, "scaled_global_norm")]
+        else:
+            optimizer.zero_grad(set_to_none=True)
+
     def hold_schedules(self, trainer) -> None:
         """Lightning steps the step-interval schedules after every batch, applied or not: on a
         dropped step they hold still (their `step` is a no-op until the next batch starts)."""
         for config in trainer.lr_scheduler_configs:
             if config.interval == "step":
                 config.scheduler.step = _hold
-                self.held.append(config.scheduler)
+                self.held.append((config.scheduler, "step"))
 
     def release_schedules(self) -> None:
-        for scheduler in self.held:
-            scheduler.__dict__.pop("step", None)
+        """Undo what held a schedule or an optimizer still for one step."""
+        for obj, name in self.held:
+            obj.__dict__.pop(name, None)
         self.held = []
 
     def sample_ids(self, trainer, steps: list[int]) -> list[int] | None:
