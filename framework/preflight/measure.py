@@ -10,6 +10,7 @@ holds the warm-up) is the measured figure.
 from __future__ import annotations
 
 import csv
+import os
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,8 @@ def measure_rows(rows: list[dict[str, Any]], world: list[str], dirs: list[Path])
     """Run each row's layout here; its `measured` entry gets step_s, tokens_per_s and the
     ratio predicted / measured of the step time."""
     extra = [f"--config-dir={d}" for d in dirs]
+    # the workers' threads as `fw calibrate` measured them: the cores shared out (worker.py)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     for row in rows:
         with tempfile.TemporaryDirectory(prefix="fw-plan-measure-") as tmp:
             run_dir = Path(tmp) / "run"
@@ -56,6 +59,7 @@ def measure_rows(rows: list[dict[str, Any]], world: list[str], dirs: list[Path])
                 capture_output=True,
                 text=True,
                 check=False,
+                env=env,
             )
             if done.returncode != 0:
                 tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
