@@ -162,7 +162,7 @@ def main() -> None:
         shown = ", ".join(f"{k} {v:.3g}" for k, v in terms.items() if v)
         print(
             f"{name:52} {per_gpu:9.0f} {published:9.0f} {per_gpu / published:6.2f}  "
-            f"{p.dominant} ({shown}; matmuls alone {matmul:.3g})"
+            f"{p.dominant} ({shown}; FLOPs alone {matmul:.3g})"
         )
     print(f"counted and predicted in {time.perf_counter() - started:.0f} s")
     save_results("plan_vs_published", {"rows": results}, load)
