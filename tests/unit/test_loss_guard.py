@@ -1,0 +1,83 @@
+"""callbacks.loss_guard in one process: the spike test's arithmetic, what a dropped step leaves
+unchanged, and the settings refused before launch (the runs are in
+tests/distributed/test_loss_guard.py)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from framework.callbacks._loss_guard import LossGuard, SpikeWindow, judge
+from framework.callbacks.loss_guard import Config
+from tests.conftest import refused
+
+
+def test_a_spike_is_a_loss_above_mean_plus_z_sample_std_of_the_window():
+    window = SpikeWindow(z=2.0, window=4, warmup=3)
+    for loss in (9.0, 1.0, 2.0, 3.0, 4.0):  # the window keeps the last 4: 1, 2, 3, 4
+        window.add(loss)
+    limit = statistics.fmean([1, 2, 3, 4]) + 2.0 * statistics.stdev([1, 2, 3, 4])
+    assert window.threshold() == pytest.approx(limit)  # 2.5 + 2 x 1.29
+    assert judge(limit - 1e-6, True, window) is None
+    assert judge(limit + 1e-6, True, window).startswith("loss spike")
+
+
+def test_no_spike_is_looked_for_during_warmup_but_nan_always_is():
+    window = SpikeWindow(z=1.0, window=10, warmup=3)
+    window.add(1.0)
+    window.add(1.0)
+    assert window.threshold() is None, "2 good losses seen, warmup 3"
+    assert judge(1000.0, True, window) is None
+    assert judge(math.nan, True, window) == "non-finite loss"
+    assert judge(math.inf, True, window) == "non-finite loss"
+    assert judge(1.0, False, window) == "non-finite gradient norm"
+    window.add(1.0)
+    assert judge(1.0 + 1e-9, True, window).startswith("loss spike"), "std 0: above the mean"
+
+
+def test_a_dropped_step_changes_nothing_and_the_schedule_holds_still():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(3, 4)).sum().backward()
+    guard = LossGuard(Config(), SimpleNamespace(run_dir=".", data_parallel=(0, 1)))
+    guard.drop_gradients(opt)
+    guard.hold_schedules(
+        SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(interval="step", scheduler=schedule)])
+    )
+    opt.step()
+    schedule.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), (
+        "no update"
+    )
+    assert opt.state_dict()["state"] == {}, "no momentum, no step count"
+    assert opt.param_groups[0]["lr"] == 0.1 and schedule.last_epoch == 0, "schedule held"
+    guard.release_schedules()
+    schedule.step()
+    assert schedule.last_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("action=retry", "callbacks.loss_guard.action=retry: not a valid choice"),
+        ("z=0", "callbacks.loss_guard.z=0.0: must be greater than 0.0"),
+        ("window=1", "callbacks.loss_guard.window=1: must be at least 2"),
+    ],
+)
+def test_bad_settings_exit_2_before_anything_starts(
+    override, message, workdir, monkeypatch, capsys
+):
+    args = [
+        "task=digits",
+        "+callbacks.loss_guard.kind=loss_guard",
+        f"+callbacks.loss_guard.{override}",
+    ]
+    err = refused(args, workdir, monkeypatch, capsys)
+    assert message in err
