@@ -11,6 +11,10 @@ its mode (seeded, so a campaign can be replayed):
 - `job`: every process of the job (fw included), at a random step; then the same command again.
 - `commit`: every process of the job, as soon as a checkpoint (after a random step) is committed;
   then the same command again. Every metrics row before the checkpoint's step must be on disk.
+- `node`: (ddp) the job runs as two `fw` processes standing for two nodes
+  (`trainer.num_nodes=2`, `launcher.min_nodes=1`); the second one's whole process group is
+  killed at a random step: the first goes on alone, with the same global batch (its losses are
+  compared within 1e-5, the summation order differs).
 - `end`: one worker of a job without restarts (`launcher.max_restarts=0`), at a random step: the
   job must end naming the killed rank (the time to that end is reported); then the same command
   again.
@@ -20,7 +24,11 @@ uninterrupted run of the same strategy (each step logged once), every checkpoint
 run directory verifies (sizes and digests), and the workers started after the kill resumed from
 the newest checkpoint there was (a fresh start from step 0 would reach the same losses). The
 table gives, per strategy and mode, the trials, the failures (`fresh`: not resumed), and the
-median time from the kill to the next logged step.
+median time from the kill to the next logged step, then that time broken down (medians, each
+part from the end of the one before, read from the job's stderr lines as they arrive): detect
+(the launcher starts stopping the other workers), stop (all stopped, the restart logged), start
+(the new workers have built their Trainer), rendezvous (their process group formed), load (the
+checkpoint restored), first step (the next step logged).
 
 Run from the repository root: `python -m benchmarks.kill_campaign [--trials 50]`. Not part of
 `make bench` (about 40 s a trial on 2 cores); a 3-trial smoke run is part of `make test`.
@@ -36,10 +44,12 @@ import random
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -75,22 +85,64 @@ STRATEGIES = {
         "strategy.microbatches=2",
     ],
 }
-MODES = ("worker", "mid-save", "restart", "job", "commit", "end")
+MODES = ("worker", "mid-save", "restart", "job", "commit", "end", "node")
+NODE_LOSS = ("ddp",)  # the strategies `node` trials run under
+# without dropout: its masks come from each rank's own random stream, which one process left
+# alone cannot draw as two did (node trials have their own uninterrupted reference)
+NODE_ARGS = ["task.model.dropout=0.0"]
+# the parts of a restart, each ending at the first stderr line (after the one before) that matches
+PHASES = (
+    ("detect", r"Terminating process|closing signal"),
+    ("stop", r"Restart \d+ of"),
+    ("start", r"GPU available"),
+    ("rendezvous", r"All distributed processes registered"),
+    ("load", r"Restored all states"),
+)
 
 
 def env() -> dict[str, str]:
     return {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
 
 
-def start(args: list[str], run: Path) -> subprocess.Popen:
-    return subprocess.Popen(
+def start(args: list[str], run: Path, extra_env: dict | None = None) -> subprocess.Popen:
+    """`fw train ARGS run.dir=RUN`; its stderr lines are read as they come, each with the
+    time it arrived (`proc.lines`)."""
+    proc = subprocess.Popen(
         [FW, "train", *args, f"run.dir={run}"],
-        env=env(),
+        env={**env(), **(extra_env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
+    proc.lines = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            proc.lines.append((time.monotonic(), line))
+
+    proc.reader = threading.Thread(target=read, daemon=True)
+    proc.reader.start()
+    return proc
+
+
+def output(proc: subprocess.Popen, timeout: float = 600) -> str:
+    """Wait for the job; its stderr."""
+    proc.wait(timeout=timeout)
+    proc.reader.join(timeout=10)
+    return "".join(line for _, line in proc.lines)
+
+
+def phases(proc: subprocess.Popen, killed_at: float, resumed_s: float | None) -> dict:
+    """Seconds each part of the restart took (PHASES, then the first step); None where a
+    part's line did not come."""
+    found, last = {}, killed_at
+    for name, pattern in PHASES:
+        when = next((t for t, line in proc.lines if t >= last and re.search(pattern, line)), None)
+        found[name] = None if when is None else when - last
+        last = last if when is None else when
+    found["first step"] = None if resumed_s is None else killed_at + resumed_s - last
+    return found
 
 
 def rows(run: Path) -> list[tuple[int, str]]:
@@ -136,15 +188,18 @@ def kill_one(proc: subprocess.Popen, rng: random.Random) -> bool:
 def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> dict:
     """One kill (or two) and the check; what happened."""
     rng = random.Random(seed)
-    args = [*STRATEGIES[strategy], *COMMON]
+    args = [*STRATEGIES[strategy], *COMMON, *(NODE_ARGS if mode == "node" else [])]
     if mode == "end":
         args = [a.replace("max_restarts=3", "max_restarts=0") for a in args]
     run = root / f"{strategy}-{mode}-{seed}"
     ended_s, first_err = None, ""
     step = rng.randint(2, STEPS - 4)
-    proc = start(args, run)
-    killed_at, kills = None, 1
     ckpts = run / "checkpoints"
+    killed_at, kills = None, 1
+    if mode == "node":
+        proc, killed_at = lose_a_node(args, run, rng.randint(5, STEPS - 4))
+    else:
+        proc = start(args, run)
     if mode == "mid-save":
         # a save after the first: the restart must resume from the one before the damaged one
         hit = wait(
@@ -161,11 +216,11 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
             proc.wait()
             killed_at = time.monotonic()
             proc = start(args, run)
-    else:
+    elif mode != "node":
         hit = wait(lambda: any(s >= step for s, _ in rows(run)), proc)
         if hit and mode == "end":
             killed_at = time.monotonic() if kill_one(proc, rng) else None
-            first_err = proc.communicate(timeout=600)[1]
+            first_err = output(proc)
             ended_s = time.monotonic() - killed_at if killed_at is not None else None
             named = "no Python exception recorded (killed by signal SIGKILL)" in first_err
             if proc.returncode != 1 or not named:
@@ -195,11 +250,7 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
     floor = newest[0][0] if newest else 0
     resumed_s = None
     if killed_at is not None:  # the next step logged by the new workers
-        if mode not in (
-            "job",
-            "commit",
-            "end",
-        ):  # the launcher records each restart as it starts them
+        if mode not in ("job", "commit", "end"):  # each restart is recorded as it starts
             wait(lambda: len(restarts(run)) >= kills, proc, period=0.02)
         since = time.time()
         metrics = run / "metrics.csv"
@@ -212,7 +263,7 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
             lambda: any(s >= resume_step for s, _ in rows(run)), proc, period=0.02
         )
         resumed_s = time.monotonic() - killed_at if trained else None
-    err = proc.communicate(timeout=600)[1]
+    err = output(proc)
     got = rows(run)
     corrupt = [
         f"{p.name}: {problem}"
@@ -225,11 +276,13 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
         "seed": seed,
         "killed": killed_at is not None,
         "exit_code": proc.returncode,
-        "losses_equal": got == reference,
+        # the nodes left add the global batch in another order: equal within 1e-5, not bitwise
+        "losses_equal": close(got, reference) if mode == "node" else got == reference,
         "resumed": floor == 0 or max(resumed_steps(first_err + err), default=-1) >= floor,
         "corrupt": corrupt,
         "resumed_s": resumed_s,
         "ended_s": ended_s,
+        "phases": phases(proc, killed_at, resumed_s) if killed_at is not None else None,
     }
     if mode == "end" and killed_at is None and ended_s is not None:
         result["exit_code"] = -1  # the job did not end as it should have
@@ -238,6 +291,48 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
     else:
         shutil.rmtree(run, ignore_errors=True)
     return result
+
+
+def lose_a_node(args: list[str], run: Path, step: int) -> tuple[subprocess.Popen, float | None]:
+    """Two fw processes as two nodes of one elastic job; the second one (not the one keeping
+    the rendezvous store) killed with its workers once `step` is logged. The first node's
+    process, and when the kill was."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [a for a in args if a != "trainer.devices=2"]
+    args += [
+        "trainer.devices=1",
+        "trainer.num_nodes=2",
+        "launcher.min_nodes=1",
+        f"launcher.rdzv_endpoint=localhost:{port}",
+        "launcher.join_timeout_s=120",
+    ]
+    # one thread per node, as each of the reference's two workers on this machine gets
+    node_env = {"FW_RDZV_TOKEN": "kill-campaign", "OMP_NUM_THREADS": "1"}
+    first = start(args, run, node_env)
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    if not wait(listening, first, period=0.05):
+        return first, None
+    second = start(args, run, node_env)
+    if not wait(lambda: any(s >= step for s, _ in rows(run)), first):
+        os.killpg(second.pid, signal.SIGKILL)
+        return first, None
+    os.killpg(second.pid, signal.SIGKILL)  # the node: its fw process and its worker
+    killed_at = time.monotonic()
+    second.wait()
+    return first, killed_at
+
+
+def close(got: list, reference: list, tolerance: float = 1e-5) -> bool:
+    """The same steps, each loss within `tolerance`."""
+    return [s for s, _ in got] == [s for s, _ in reference] and all(
+        abs(float(a) - float(b)) <= tolerance for (_, a), (_, b) in zip(got, reference, strict=True)
+    )
 
 
 def resumed_steps(stderr: str) -> list[int]:
@@ -268,20 +363,23 @@ def main(argv: list[str] | None = None) -> int:
     modes = opts.modes.split(",")
     load = load_average()
     root = Path(tempfile.mkdtemp(prefix="fw-kill-"))
-    references = {}
-    for strategy in strategies:
-        run = root / f"{strategy}-reference"
-        proc = start([*STRATEGIES[strategy], *COMMON], run)
-        err = proc.communicate(timeout=600)[1]
-        if proc.returncode != 0:
-            print(f"{strategy}: the uninterrupted run failed:\n{err[-3000:]}", file=sys.stderr)
-            return 1
-        references[strategy] = rows(run)
+    references: dict[tuple[str, bool], list] = {}
     results = []
     for number in range(opts.trials):
         strategy = strategies[number % len(strategies)]
         mode = modes[(number // len(strategies)) % len(modes)]
-        results.append(trial(strategy, mode, opts.seed + number, root, references[strategy]))
+        if mode == "node" and strategy not in NODE_LOSS:
+            continue
+        key = (strategy, mode == "node")
+        if key not in references:
+            run = root / f"{strategy}-reference{'-node' * key[1]}"
+            proc = start([*STRATEGIES[strategy], *COMMON, *(NODE_ARGS if key[1] else [])], run)
+            err = output(proc)
+            if proc.returncode != 0:
+                print(f"{strategy}: the uninterrupted run failed:\n{err[-3000:]}", file=sys.stderr)
+                return 1
+            references[key] = rows(run)
+        results.append(trial(strategy, mode, opts.seed + number, root, references[key]))
         r = results[-1]
         ok = not failed(r)
         resumed = f"{r['resumed_s']:.1f} s" if r["resumed_s"] is not None else "-"
@@ -327,7 +425,21 @@ def report(results: list[dict]) -> int:
             f"{corrupt:>8}{fresh:>6}{median:>20}"
         )
     print(f"{len(results)} trials, {bad} failed")
+    print_phases(results)
     return bad
+
+
+def print_phases(results: list[dict]) -> None:
+    """The restart broken down: the median of each part, per strategy and mode."""
+    names = [name for name, _ in PHASES] + ["first step"]
+    print(f"\n{'strategy':<10}{'mode':<10}" + "".join(f"{n:>12}" for n in names) + "   (median s)")
+    for key in sorted({(r["strategy"], r["mode"]) for r in results}):
+        group = [r["phases"] for r in results if (r["strategy"], r["mode"]) == key]
+        cells = []
+        for name in names:
+            times = [p[name] for p in group if p and p.get(name) is not None]
+            cells.append(f"{statistics.median(times):.2f}" if times else "-")
+        print(f"{key[0]:<10}{key[1]:<10}" + "".join(f"{c:>12}" for c in cells))
 
 
 if __name__ == "__main__":
