@@ -88,11 +88,9 @@ class ContextPlan:
     def attention(self, q, k, v, causal: bool = True) -> torch.Tensor:
         """Attention of the local queries (batch, heads, local positions, head_dim) over the
         whole sequence's keys and values."""
-        if self.mode == "allgather":
-            return allgather_attention(q, k, v, causal, self.group, self.size, self.rank)
         if self.mode == "ulysses":
             return ulysses_attention(q, k, v, causal, self.group, self.size)
-        return ring_attention(q, k, v, causal, self.group, self.size, self.rank)
+        return split_attention(q, k, v, causal, self.mode, self.group, self.size, self.rank)
 
 
 @contextlib.contextmanager
@@ -139,12 +137,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        size = grad.shape[0]
-        out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_single(
-            out, grad.reshape(size * grad.shape[1], *grad.shape[2:]).contiguous(), group=ctx.group
-        )
-        return out, None, None
+        return reduce_scatter(grad, ctx.group), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -196,59 +189,163 @@ def exchange(x: torch.Tensor, group, to: int, source: int) -> torch.Tensor:
 # ---- attention
 
 
-def block(q, k, v, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q over one block of keys: (output, log-sum-exp of the scores)."""
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
+def flash(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp of the scores (batch, heads, positions)) of one block, by
+    torch's fused CPU kernel: no score matrix is kept."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out, lse  # lse in fp32 (fp64 for fp64 inputs)
+
+
+def flash_backward(dout, q, k, v, out, lse, causal: bool):
+    """(dq, dk, dv) of one block, given the output and log-sum-exp of the whole attention (the
+    softmax's normalisation over every block)."""
+    args = [t.contiguous() for t in (dout, q, k, v, out)]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *args, lse.contiguous(), 0.0, causal
+    )
 
 
 def merge(out, lse, out2, lse2) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial attentions over disjoint key blocks as one (online softmax)."""
     total = torch.logaddexp(lse, lse2)
-    return out * torch.exp(lse - total) + out2 * torch.exp(lse2 - total), total
+    a, b = torch.exp(lse - total).unsqueeze(-1), torch.exp(lse2 - total).unsqueeze(-1)
+    return out * a + out2 * b, total
 
 
-def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    return q_pos[:, None] >= k_pos[None, :]
+def block_parts(step: int, source: int, rank: int, half: int, causal: bool):
+    """Which local query rows and which of a block's key columns attend to each other (slices),
+    and whether with a causal mask: the whole diagonal block causally (its two chunks in order),
+    under the zigzag split an earlier rank's head chunk by every row, a later rank's whole block
+    by the tail rows; without a mask, everything."""
+    every = slice(None)
+    if step == 0:
+        return every, every, causal
+    if not causal:
+        return every, every, False
+    if source < rank:
+        return every, slice(0, half), False
+    return slice(half, None), every, False
 
 
-def allgather_attention(q, k, v, causal, group, size, rank) -> torch.Tensor:
-    s = q.shape[2]
-    kv = _AllGather.apply(torch.stack([k, v]), group, size)  # (cp, 2, b, h, s, d)
-    kv = kv.permute(1, 2, 3, 0, 4, 5).reshape(2, *k.shape[:2], size * s, k.shape[-1])
-    mask = None
-    if causal:
-        q_pos = zigzag_index(s * size, size, rank, q.device)
-        mask = causal_mask(q_pos, zigzag_order(s * size, size, q.device))
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
+class _SplitAttention(torch.autograd.Function):
+    """Attention of the local queries over every rank's K/V blocks, one fused-kernel call per
+    block merged by log-sum-exp; backward per block with the merged output and log-sum-exp.
+    `ring`: blocks passed rank to rank (forward and again in backward, with their gradients
+    travelling along and returned to their owner); `allgather`: all blocks gathered at once
+    (kept for backward), their gradients reduce-scattered."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, causal, mode, group, size, rank):
+        half = q.shape[2] // 2
+        kv = torch.stack([k, v])
+        every = _AllGather.apply(kv, group, size) if mode == "allgather" else None
+        out, lse = None, None
+        for step in range(size):
+            source = (rank - step) % size
+            if every is not None:
+                kv = every[source]
+            elif step:
+                kv = exchange(kv, group, (rank + 1) % size, (rank - 1) % size)
+            rows, cols, masked = block_parts(step, source, rank, half, causal)
+            o, m = flash(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], masked)
+            if out is None:
+                out, lse = o.to(m.dtype), m
+            else:
+                out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, m)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *([every] if every is not None else []))
+        ctx.args = causal, mode, group, size, rank
+        return out
 
-def ring_attention(q, k, v, causal, group, size, rank) -> torch.Tensor:
-    s = q.shape[2]
-    half = s // 2
-    mask = None
-    if causal:
-        pos = zigzag_index(s * size, size, rank, q.device)
-        mask = causal_mask(pos, pos)
-    out, lse = block(q, k, v, mask)
-    kv = torch.stack([k, v])
-    for step in range(1, size):
-        kv = _RingPass.apply(kv, group, size, rank)
-        source = (rank - step) % size
-        if not causal:
-            out, lse = merge(out, lse, *block(q, kv[0], kv[1]))
-        elif source < rank:  # all local queries see its head chunk, none its tail
-            out, lse = merge(out, lse, *block(q, kv[0, ..., :half, :], kv[1, ..., :half, :]))
-        else:  # only the local tail chunk sees it, all of it
-            tail_out, tail_lse = merge(
-                out[..., half:, :], lse[..., half:, :], *block(q[..., half:, :], kv[0], kv[1])
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *kept = ctx.saved_tensors
+        causal, mode, group, size, rank = ctx.args
+        half = q.shape[2] // 2
+        acc = lse.dtype  # gradients summed over blocks in fp32 (fp64 for fp64 inputs)
+        dq = torch.zeros_like(q, dtype=acc)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros_like(kv, dtype=acc)
+        every = kept[0] if kept else None
+        devery = torch.zeros_like(every, dtype=acc) if every is not None else None
+        for step in range(size):
+            source = (rank - step) % size
+            if every is not None:
+                kv, dkv = every[source], devery[source]
+            elif step:  # the block and the gradients its earlier holders gave it
+                both = exchange(
+                    torch.cat([kv.to(acc), dkv]), group, (rank + 1) % size, (rank - 1) % size
+                )
+                kv, dkv = both[:2].to(q.dtype), both[2:]
+            rows, cols, masked = block_parts(step, source, rank, half, causal)
+            grads = flash_backward(
+                dout[:, :, rows],
+                q[:, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                masked,
             )
-            out = torch.cat([out[..., :half, :], tail_out], dim=2)
-            lse = torch.cat([lse[..., :half, :], tail_lse], dim=2)
+            dq[:, :, rows] += grads[0]
+            dkv[0][:, :, cols] += grads[1]
+            dkv[1][:, :, cols] += grads[2]
+        if every is not None:
+            dkv = reduce_scatter(devery, group)
+        elif size > 1:  # the last block's gradients, complete, back to their owner
+            dkv = exchange(dkv, group, (rank + 1) % size, (rank - 1) % size)
+        dtype = q.dtype
+        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None, None, None
+
+
+def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """x (cp, ...) summed over the ranks, this rank's row."""
+    out = x.new_empty(x.shape[1:])
+    dist.reduce_scatter_single(out, x.reshape(-1, *x.shape[2:]).contiguous(), group=group)
+    return out
+
+
+def split_attention(q, k, v, causal, mode, group, size, rank) -> torch.Tensor:
+    if q.device.type != "cpu":  # the fused kernel used here is the CPU one
+        return split_attention_math(q, k, v, causal, mode, group, size, rank)
+    return _SplitAttention.apply(q, k, v, causal, mode, group, size, rank)
+
+
+def split_attention_math(q, k, v, causal, mode, group, size, rank) -> torch.Tensor:
+    """The same blocks and merge in differentiable torch ops (score matrices kept for backward:
+    more memory), for devices without the CPU kernel."""
+    half = q.shape[2] // 2
+    kv = torch.stack([k, v])
+    every = _AllGather.apply(kv, group, size) if mode == "allgather" else None
+    out, lse = None, None
+    for step in range(size):
+        source = (rank - step) % size
+        if every is not None:
+            kv = every[source]
+        elif step:
+            kv = _RingPass.apply(kv, group, size, rank)
+        rows, cols, masked = block_parts(step, source, rank, half, causal)
+        o, m = math_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], masked)
+        if out is None:
+            out, lse = o, m
+        elif rows.start is None:
+            out, lse = merge(out, lse, o, m)
+        else:
+            o, m = merge(out[:, :, rows], lse[:, :, rows], o, m)
+            out = torch.cat([out[:, :, :half], o], dim=2)
+            lse = torch.cat([lse[:, :, :half], m], dim=2)
     return out.to(q.dtype)
+
+
+def math_block(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        n = scores.shape[-1]
+        keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1).to(scores.dtype)) @ v, lse
 
 
 def ulysses_attention(q, k, v, causal, group, size) -> torch.Tensor:

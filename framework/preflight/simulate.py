@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from framework.nn.context import plan_of
 from framework.preflight.fakes import copyable_fakes, fake_mode, fake_world
 
 log = logging.getLogger("framework.preflight")
@@ -197,8 +198,11 @@ def fake_batch(mode, batch: Any) -> Any:
     return batch
 
 
-def whole_step(task, batch, loss_parallel: bool):
-    """The task's own training_step (its logging has no Trainer here and is skipped)."""
+def whole_step(task, batch, loss_parallel: bool, sequences=None):
+    """The task's own training_step (its logging has no Trainer here and is skipped); with a
+    context-parallel plan (`sequences`) on this rank's chunks of the batch, as the strategy runs
+    it."""
+    from framework.nn.context import running
 
     def run():
         context = contextlib.nullcontext()
@@ -206,8 +210,9 @@ def whole_step(task, batch, loss_parallel: bool):
             from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
 
             context = parallel_loss()
-        with context:
-            out = task.training_step(batch, 0)
+        with context, running(sequences):
+            step_batch = sequences.split(batch) if sequences is not None else batch
+            out = task.training_step(step_batch, 0)
             loss = out["loss"] if isinstance(out, dict) else out
             full = getattr(loss, "full_tensor", None)
             loss.backward()
@@ -270,11 +275,15 @@ def parallel_rank(
         batch = fake_batch(mode, batch)
         cut, inputs = (None, {}) if dims.pp == 1 else pipeline_cut(task, cfg, dims, coords, batch)
         tensor, fsdp = settings(task, cfg, dims, cut)
-        stages = parallelize(task, mesh, dims, tensor, fsdp, transforms, cut, torch.device("cpu"))
+        stages = parallelize(
+            task, mesh, dims, tensor, fsdp, transforms, cut, torch.device("cpu"), cfg.cp_mode
+        )
         optimizer = optimizer_of(task, cuda)
         where = " ".join(f"{k}{v}" for k, v in coords.items() if getattr(dims, k) > 1)
+        if dims.cp > 1:
+            where += f" cp{coords['fsdp'] % dims.cp}"
         if cut is None:
-            run = whole_step(task, batch, tensor.loss_parallel and dims.tp > 1)
+            run = whole_step(task, batch, tensor.loss_parallel and dims.tp > 1, plan_of(task))
             role, flight = where, 1
         else:
             run = stage_steps(task, stages, inputs, cut)

@@ -13,11 +13,11 @@ import torch
 
 from framework.nn import context
 
+# the modes, and ring and allgather in plain torch ops (used on devices without the fused CPU
+# kernel the others call)
+MODES = (*context.MODES, "ring-math", "allgather-math")
 CASES = [  # (mode, causal, sequence length as a multiple of 2 x cp)
-    (mode, causal, chunks)
-    for mode in context.MODES
-    for causal in (True, False)
-    for chunks in (1, 4)
+    (mode, causal, chunks) for mode in MODES for causal in (True, False) for chunks in (1, 4)
 ]
 
 
@@ -38,14 +38,18 @@ def compare(rank: int, cp: int, store: str, out: str) -> None:
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         want = F.scaled_dot_product_attention(*full, is_causal=causal)
         (want * weight).sum().backward()
-        plan = context.ContextPlan(mode, group, cp, rank, active=True)
+        plan = context.ContextPlan(mode, group, cp, rank, active=True)  # mode: a known one
         index = context.zigzag_index(length, cp, rank)
 
         def split(t, index=index):  # this rank's positions (dim 2 here)
             return t.index_select(2, index)
 
         mine = [split(t).detach().requires_grad_() for t in (q, k, v)]
-        got = plan.attention(*mine, causal=causal)
+        if mode.endswith("-math"):
+            args = (causal, mode.split("-")[0], group, cp, rank)
+            got = context.split_attention_math(*mine, *args)
+        else:
+            got = plan.attention(*mine, causal=causal)
         (got * split(weight)).sum().backward()
         diffs = [(got - split(want)).abs().max().item()]
         diffs += [
