@@ -4,7 +4,9 @@
 process for one process, or in each worker it forks, or as `python -m framework.worker
 RUN_DIR/config.yaml [--resume CKPT]` in each worker it spawns (one process per device, with
 torch's elastic environment variables); `launcher=slurm` in each SLURM task; framework.external
-in each rank of a torchrun or srun job.
+in each rank of a torchrun or srun job. Where `entry` runs in the `fw` process, it trains from
+the job plan validation made there; a worker process makes its plan from config.yaml in one call
+(framework/config/job_plan.py).
 """
 
 from __future__ import annotations
