@@ -4,6 +4,7 @@ corpus whose every training window is the same, so a first step's loss can be co
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -30,6 +31,24 @@ def write_llama(
         tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).save_pretrained(directory, max_shard_size=max_shard_size)
+    return directory
+
+
+def write_moe(directory: Path, family: str, vocab: int = 300) -> Path:
+    """A random-init tiny MoE model (seed 0; `family` qwen3_moe or mixtral, 4 experts of 2
+    chosen) saved by `save_pretrained` as transformers writes such models: one tensor per expert
+    (e.g. `mlp.experts.3.gate_proj.weight`), several files with an index."""
+    import torch
+    from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    from tests.hf_moe_tasks import mixtral_config, qwen3_moe_config
+
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(qwen3_moe_config(vocab=vocab))
+    else:
+        model = MixtralForCausalLM(mixtral_config(vocab=vocab))
+    model.save_pretrained(directory, max_shard_size="60KB")
     return directory
 
 
@@ -65,3 +84,67 @@ def write_word_tokenizer(directory: Path, words: list[str]) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     return len(vocab)
+
+
+# ---- run directories shared by the export and resume tests (tests/distributed/test_hf_*.py)
+
+PLAIN = [  # a plain LightningModule around a transformers model, on random tokens
+    "task=digits",
+    "~task.model.dropout",
+    "task.model.hidden=64",
+    "task.data._target_=tests.hf_tasks.RandomTokens",
+    "~task.data.val_fraction",
+    "trainer.max_steps=3",
+    "trainer.log_every_n_steps=1",
+    "callbacks.checkpoint.every_n_steps=3",
+    "logger=[csv]",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+LLAMA = "task._target_=tests.hf_tasks.PlainLlama"
+QWEN3_MOE = "task._target_=tests.hf_moe_tasks.PlainMoE"
+# 2 processes, 3 steps, a checkpoint at step 3, a global batch of 8 sequences (tensor and
+# pipeline ranks share each batch; a data-parallel rank takes 4 of them); the fsdp run goes
+# on to step 6 (checkpoint at 6): the uninterrupted run a checkpoint moved from tensor=2 follows.
+# It holds its model as HeldLlamaForCausalLM: the killed-export test needs it.
+RUNS = {
+    "tensor": ["strategy=tensor", LLAMA, "task.data.batch_size=8"],
+    "fsdp": [
+        "strategy=fsdp",
+        "task._target_=tests.distributed.test_hf_export.HeldLlama",
+        "task.data.batch_size=4",
+        "trainer.max_steps=6",
+    ],
+    "pipeline": ["strategy=pipeline", LLAMA, "task.data.batch_size=8"],
+    "expert": ["strategy=expert", QWEN3_MOE, "task.data.batch_size=4"],
+    "zero3": ["strategy=zero3", LLAMA, "task.data.batch_size=4"],
+}
+
+
+def shared_runs(tmp_path_factory, names) -> dict[str, Path]:
+    """Run directories of RUNS (2 processes each) and a digits run (no transformers model), made
+    once per test session whichever module asks first (a lock and a marker per run, as the
+    one-process references of tests/distributed/conftest.py)."""
+    import fcntl
+
+    from tests.conftest import QUIET, fw
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    root = root / "hf_runs"
+    root.mkdir(exist_ok=True)
+    jobs = {name: [*PLAIN, *args, "trainer.devices=2"] for name, args in RUNS.items()}
+    jobs["digits"] = ["task=digits", "task.model.hidden=16", "trainer.max_steps=1", *QUIET]
+    jobs["digits"].append("callbacks.checkpoint.every_n_steps=1")
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name in names:
+            if not (root / f".{name}.done").exists():
+                result = fw("train", *jobs[name], f"run.dir={name}", cwd=root)
+                assert result.returncode == 0, result.stderr[-3000:]
+                (root / f".{name}.done").touch()
+    return {name: root / name for name in names}
+
+
+HOLD = "FW_TEST_HOLD_EXPORT"  # read by test_hf_export.HeldLlamaForCausalLM in `fw export`

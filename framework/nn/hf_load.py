@@ -79,24 +79,85 @@ def check_directory(key: str, value: str | None) -> None:
 
 
 def check_readable(key: str, value: str) -> None:
-    """The directory's weights are stored under the model's own parameter names: a family whose
-    checkpoints transformers converts while loading (per-expert weights fused into one tensor,
-    as Mixtral's and Qwen-MoE's) is refused here rather than failing in every worker."""
+    """The directory's weights are read under the model's own parameter names, or through the
+    conversions transformers declares for the family (`conversions`): a family whose files need
+    another conversion is refused here rather than failing in every worker."""
     model_type = json.loads((Path(value).expanduser() / "config.json").read_text()).get(
         "model_type"
     )
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    if model_type and get_checkpoint_conversion_mapping(model_type):
+    try:
+        conversions(model_type)
+    except ValueError as err:
         raise ConfigError(
             key,
             value,
             f"holds a '{model_type}' checkpoint, whose weights transformers converts while "
-            "loading (e.g. experts fused into one tensor); reading them slice by slice is not "
-            "supported yet",
+            f"loading in a way not read slice by slice yet ({err})",
             hint="Start such a family from a random init (task.model.arch, task.model.config), "
-            "or use a dense family (llama, qwen2, gpt2, ...).",
-        )
+            "or use a family whose files hold its parameters as they are (llama, qwen2, "
+            "qwen3_moe, mixtral, ...).",
+        ) from None
+
+
+@dataclass(frozen=True)
+class Conversions:
+    """How a family's files name what its model holds, as transformers declares it
+    (`conversion_mapping`), reversed: `renames` (model substring -> file substring), and
+    `stacked` (model name suffix -> the file name patterns, '*' the expert index, whose tensors,
+    stacked over the experts and then concatenated along dim 1, make the model's tensor: the
+    per-expert weights that MoE models fuse into one (E, ...) tensor)."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+    stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+def conversions(model_type: str | None) -> Conversions:
+    """The family's conversions; ValueError for one this reader does not apply (anything but
+    plain renames, and per-expert tensors stacked on dim 0 then concatenated on dim 1)."""
+    if not model_type:
+        return Conversions()
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    renames, stacked = [], []
+    for c in get_checkpoint_conversion_mapping(model_type) or []:
+        sources, targets = list(c.source_patterns), list(c.target_patterns)
+        ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(c, "operations", [])]
+        if type(c).__name__ == "WeightRenaming" and len(sources) == len(targets) == 1:
+            if not all(ch.isalnum() or ch in "._" for ch in sources[0] + targets[0]):
+                raise ValueError(f"a renaming by pattern {sources[0]!r}")
+            renames.append((targets[0], sources[0]))
+        elif (
+            len(targets) == 1
+            and all(p.count("*") == 1 for p in sources)
+            and (
+                ops == [("MergeModulelist", 0)] * (len(sources) == 1)
+                or ops == [("MergeModulelist", 0), ("Concatenate", 1)]
+            )
+        ):
+            stacked.append((targets[0], tuple(sources)))
+        else:
+            raise ValueError(f"{sources} -> {targets} by {[op for op, _ in ops]}")
+    return Conversions(tuple(renames), tuple(stacked))
+
+
+def file_keys(name: str, shape, files: dict[str, str], conv: Conversions) -> str | list | None:
+    """The file tensors that hold model tensor `name`: one name when stored as it is (maybe
+    renamed), else per part (concatenated on dim 1) the per-expert names (stacked on dim 0);
+    None if the files hold none."""
+    if name in files:
+        return name
+    renamed = name
+    for model_part, file_part in conv.renames:
+        renamed = renamed.replace(model_part, file_part)
+    if renamed in files:
+        return renamed
+    for suffix, patterns in conv.stacked:
+        if renamed.endswith(suffix) and shape:
+            prefix = renamed[: -len(suffix)]
+            parts = [[prefix + p.replace("*", str(e)) for e in range(shape[0])] for p in patterns]
+            if all(k in files for part in parts for k in part):
+                return parts
+    return None
 
 
 @contextlib.contextmanager
@@ -181,28 +242,94 @@ def read_into(model: nn.Module, directory: Path) -> LoadReport:
     files = weight_map(directory)
     tied = getattr(model, "_tied_weights_keys", None)
     tied = tied if isinstance(tied, dict) else {}
+    conv = conversions(getattr(getattr(model, "config", None), "model_type", None))
     report = LoadReport(str(directory))
     by_file: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    pieces: list[tuple[list[list[str]], torch.Tensor]] = []  # held in the files as pieces
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        key = name if name in files else tied.get(name, name)
-        if key not in files:
+        keys = file_keys(name, tensor.shape, files, conv) or file_keys(
+            tied.get(name, name), tensor.shape, files, conv
+        )
+        if not keys:
             if isinstance(tensor, nn.Parameter):
                 raise RuntimeError(f"{directory} holds no weight for parameter {name}")
             continue  # a buffer computed by the model (not saved)
-        by_file.setdefault(files[key], []).append((key, tensor))
+        if isinstance(keys, str):
+            by_file.setdefault(files[keys], []).append((keys, tensor))
+        else:
+            pieces.append((keys, tensor))
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        report.local_bytes += local.numel() * local.element_size()
+        report.tensors += 1
     for file, entries in sorted(by_file.items()):
         report.files_opened.append(file)
         with open(directory / file, "rb") as fh:
             header, base = read_header(fh)
             for key, tensor in entries:
                 report.bytes_read += read_tensor(fh, base, header[key], key, tensor)
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                report.local_bytes += local.numel() * local.element_size()
-                report.tensors += 1
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, tuple] = {}
+
+        def entry(key: str) -> tuple:
+            """(open file, data offset, header entry) of file tensor `key`."""
+            if files[key] not in opened:
+                fh = stack.enter_context(open(directory / files[key], "rb"))
+                opened[files[key]] = (fh, *read_header(fh))
+                report.files_opened.append(files[key])
+            fh, header, base = opened[files[key]]
+            return fh, base, header[key]
+
+        for keys, tensor in pieces:
+            report.bytes_read += read_stacked(entry, keys, tensor)
     report.file_bytes = sum((directory / f).stat().st_size for f in set(files.values()))
     report.peak_rss_delta = max(0, peak_rss() - rss0)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def local_block(target: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+    """(sizes, starts, local tensor) of the block of the whole tensor `target` holds: a
+    DTensor's local shard (as torch's checkpointing computes it), a plain tensor whole."""
+    if hasattr(target, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        sizes, starts = compute_local_shape_and_global_offset(
+            target.shape, target.device_mesh, target.placements
+        )
+        return list(sizes), list(starts), target.to_local()
+    return list(target.shape), [0] * target.dim(), target
+
+
+def read_stacked(entry, parts: list[list[str]], target: torch.Tensor) -> int:
+    """Read this rank's block of a stacked expert tensor (E, R, C) from per-expert file tensors:
+    expert e's rows are the parts' tensors of expert e, concatenated. Only the experts and rows
+    of the block are read; returns the bytes read."""
+    sizes, starts, local = local_block(target)
+    read = 0
+    for e in range(starts[0], starts[0] + sizes[0]):
+        offset = 0  # of the part's first row in the expert's rows
+        for part in parts:
+            fh, base, info = entry(part[e])
+            rows, want = info["shape"][0], [target.shape[1], target.shape[2]]
+            if len(info["shape"]) != 2 or info["shape"][1] != want[1]:
+                raise RuntimeError(f"{part[e]}: shape {info['shape']} does not stack into {want}")
+            lo = max(starts[1], offset)
+            hi = min(starts[1] + sizes[1], offset + rows)
+            if hi > lo and sizes[2] > 0:
+                block = read_slice(
+                    fh.fileno(),
+                    base + info["data_offsets"][0],
+                    DTYPES[info["dtype"]],
+                    info["shape"],
+                    [lo - offset, starts[2]],
+                    [hi - lo, sizes[2]],
+                )
+                local[e - starts[0], lo - starts[1] : hi - starts[1]].copy_(block)
+                read += block.numel() * block.element_size()
+            offset += rows
+        if offset != target.shape[1]:
+            raise RuntimeError(f"{parts[0][e]}...: {offset} rows do not make {target.shape[1]}")
+    return read
 
 
 def weight_map(directory: Path) -> dict[str, str]:
@@ -234,15 +361,7 @@ def read_tensor(fh, base: int, entry: dict, key: str, target: torch.Tensor) -> i
         raise RuntimeError(
             f"{key}: the checkpoint's shape {shape} is not the model's {list(target.shape)}"
         )
-    if hasattr(target, "to_local"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        sizes, starts = compute_local_shape_and_global_offset(
-            target.shape, target.device_mesh, target.placements
-        )
-        local = target.to_local()
-    else:
-        sizes, starts, local = shape, [0] * len(shape), target
+    sizes, starts, local = local_block(target)
     if math.prod(sizes) == 0:
         return 0
     dtype = DTYPES[entry["dtype"]]

@@ -9,8 +9,9 @@ import json
 
 import pytest
 
+from framework.nn.hf_load import weight_map
 from tests.conftest import QUIET, fw, losses
-from tests.hf_pretrained import BLOCK, periodic_corpus, reference_loss, write_llama
+from tests.hf_pretrained import BLOCK, periodic_corpus, reference_loss, write_llama, write_moe
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -57,12 +58,11 @@ def reports(run, ranks: int) -> list[dict]:
 
 
 def model_bytes(directory) -> int:
-    from framework.nn.hf_load import weight_map
-
     return weight_bytes(directory, weight_map(directory))
 
 
 def weight_bytes(directory, files) -> int:
+    """Bytes of the tensors in `files`, all fp32."""
     import math
 
     from framework.nn.hf_load import read_header
@@ -71,7 +71,7 @@ def weight_bytes(directory, files) -> int:
     for name in set(files.values()):
         with open(directory / name, "rb") as fh:
             header, _ = read_header(fh)
-        total += sum(math.prod(e["shape"]) * 4 for e in header.values())  # all fp32
+        total += sum(math.prod(e["shape"]) * 4 for e in header.values())
     return total
 
 
@@ -119,3 +119,22 @@ def test_a_resumed_run_continues_from_its_checkpoint(pretrained, tmp_path):
     assert sorted(got) == [0, 1, 2, 3]
     assert abs(got[0] - pretrained["loss"]) <= 1e-5
     assert got[3] < got[2] < got[1] < got[0] - 1e-3, got
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_pretrained_moe_model_loads_under_expert_parallel(pretrained, tmp_path, family):
+    """The files hold one tensor per expert (as transformers saves MoE models); under ep=2 each
+    rank reads only its own experts' tensors into the stacked (E, ...) weights it holds."""
+    model = write_moe(tmp_path / family, family)
+    assert any(".experts.3." in k for k in weight_map(model)), "per-expert tensors in the files"
+    window = periodic_corpus(tmp_path / "corpus.txt")
+    want = reference_loss(model, window)
+    moe = {**pretrained, "model": model}
+    run, _ = train(moe, tmp_path, "strategy=expert", *ONE_STEP, "trainer.devices=2")
+    got = losses(run)
+    assert sorted(got) == [0] and abs(got[0] - want) <= 1e-5, (got, want)
+    per_rank = reports(run, 2)
+    # the dense weights sharded by FSDP, the experts split over ep: each rank reads what it
+    # holds, and the ranks together read every weight once
+    assert all(r["bytes_read"] == r["local_bytes"] for r in per_rank), per_rank
+    assert sum(r["bytes_read"] for r in per_rank) == model_bytes(model)
