@@ -1,5 +1,5 @@
 """`fw export RUN OUT --format hf`: a plain LightningModule holding a transformers Llama, trained
-under tensor=2 and fsdp=2, comes out as a directory `AutoModelForCausalLM.from_pretrained` loads
+under tensor=2, fsdp=2, pipeline=2 and zero3 (and a Qwen3-MoE under ep=2), comes out as a directory `AutoModelForCausalLM.from_pretrained` loads
 with the trained model's logits (1e-5), sharded with an index past --max-shard-size; tied weights
 are written once; a kill -9 mid-export leaves nothing at OUT; bad requests exit 2 writing nothing.
 """
@@ -16,31 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FW, QUIET, fw, fw_env
+from tests.conftest import FW, fw, fw_env
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from tests.hf_moe_tasks import PlainMoE  # noqa: E402
+from tests.hf_pretrained import HOLD, RUNS, shared_runs  # noqa: E402
 from tests.hf_tasks import PlainLlama  # noqa: E402
-
-HOLD = "FW_TEST_HOLD_EXPORT"  # read by HeldLlamaForCausalLM in the `fw export` process
-PLAIN = [
-    "task=digits",
-    "~task.model.dropout",
-    "task.model.hidden=64",
-    "task.data._target_=tests.hf_tasks.RandomTokens",
-    "~task.data.val_fraction",
-    "trainer.max_steps=3",
-    "callbacks.checkpoint.every_n_steps=3",
-    "logger=[csv]",
-    *QUIET,
-]
-RUNS = {  # the fsdp run holds its model as HeldLlamaForCausalLM: the kill test needs it
-    "tensor": ["strategy=tensor", "task._target_=tests.hf_tasks.PlainLlama"],
-    "fsdp": ["strategy=fsdp", f"task._target_={__name__}.HeldLlama"],
-}
 
 
 class HeldLlamaForCausalLM(LlamaForCausalLM):
@@ -65,16 +50,10 @@ class HeldLlama(PlainLlama):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Run directories of 3 steps under tensor=2 and fsdp=2 (checkpoint at step 3), and a
-    digits run (no transformers model)."""
-    root = tmp_path_factory.mktemp("hf_export")
-    jobs = {name: [*PLAIN, *args, "trainer.devices=2"] for name, args in RUNS.items()}
-    jobs["digits"] = ["task=digits", "task.model.hidden=16", "trainer.max_steps=1", *QUIET]
-    jobs["digits"].append("callbacks.checkpoint.every_n_steps=1")
-    for name, args in jobs.items():
-        result = fw("train", *args, f"run.dir={name}", cwd=root)
-        assert result.returncode == 0, result.stderr[-3000:]
-    return {name: root / name for name in jobs}
+    """Run directories of 3 steps (checkpoint at step 3; fsdp: 6 steps) under tensor=2, fsdp=2,
+    pipeline=2, ep=2 (a Qwen3-MoE) and zero3 on 2 processes, and a digits run (no transformers
+    model); shared with test_hf_resume.py."""
+    return shared_runs(tmp_path_factory, [*RUNS, "digits"])
 
 
 def tokens() -> torch.Tensor:
@@ -87,7 +66,7 @@ def trained_logits(run: Path, workdir: Path) -> torch.Tensor:
     from framework.cli import main
 
     assert main(["export", str(run), str(workdir / "plain.pt"), "--force"]) == 0
-    task = PlainLlama(hidden=64)
+    task = PlainMoE(hidden=64) if run.name == "expert" else PlainLlama(hidden=64)
     task.load_state_dict(torch.load(workdir / "plain.pt", weights_only=True))
     (workdir / "plain.pt").unlink()
     with torch.no_grad():
@@ -100,14 +79,16 @@ def hf_logits(out: Path) -> torch.Tensor:
         return model(tokens()).logits
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "fsdp"])
+@pytest.mark.parametrize("strategy", list(RUNS))
 def test_from_pretrained_gives_the_trained_models_logits(runs, strategy, workdir):
-    done = fw("export", str(runs[strategy]), "hf", "--format", "hf", cwd=workdir)
-    assert done.returncode == 0, done.stderr[-3000:]
+    from framework.cli import main  # in this process: `fw`'s start-up is paid by the tests below
+
+    assert main(["export", str(runs[strategy]), str(workdir / "hf"), "--format", "hf"]) == 0
     written = sorted(p.name for p in (workdir / "hf").iterdir())
     assert written == ["config.json", "generation_config.json", "model.safetensors"], written
     config = json.loads((workdir / "hf" / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["hidden_size"] == 64, config
+    family = "qwen3_moe" if strategy == "expert" else "llama"
+    assert config["model_type"] == family and config["hidden_size"] == 64, config
     want = trained_logits(runs[strategy], workdir)
     got = hf_logits(workdir / "hf")
     assert (got - want).abs().max().item() <= 1e-5
