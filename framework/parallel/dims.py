@@ -21,6 +21,7 @@ framework takes the view it needs from that one mesh by name:
 | `ep` | the fsdp ranks borrowed | expert parallel (when ep > 1): experts split over it |
 | `efsdp` | dp x (fsdp / ep), flattened | the ranks holding the same experts (their gradients are summed) |
 | `cp` | the fsdp ranks borrowed | context parallel (when cp > 1): the sequence split over it |
+| `tokens` | dp x fsdp, flattened (cp > 1) | the ranks holding different tokens (MoE routers' load counts) |
 
 With ep > 1 the fsdp dimension is factored into `fsdp_out x ep` (neighbouring fsdp ranks form an
 expert-parallel group); the `fsdp` view is then those two flattened. With cp > 1 it is factored
@@ -143,7 +144,12 @@ class ParallelDims:
                 ("cp", self.cp),
                 ("tp", self.tp),
             ]
-            return dims, {"fsdp": ("fsdp_out", "cp"), "data": ("dp", "fsdp_out")}
+            views = {
+                "fsdp": ("fsdp_out", "cp"),
+                "data": ("dp", "fsdp_out"),
+                "tokens": ("dp", "fsdp_out", "cp"),
+            }
+            return dims, views
         if self.ep == 1:
             dims = [(n, getattr(self, n)) for n in ORDER]
             return dims, {"data": ("dp", "fsdp")}

@@ -82,7 +82,8 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         to_device(self.model, self.root_device)
 
     def data_group(self):
-        return self.mesh["data"].get_group()
+        # the ranks holding different tokens: under cp those of a group hold parts of sequences
+        return self.mesh["tokens" if self.dims.cp > 1 else "data"].get_group()
 
     def before_optimizer_step(self) -> None:
         if self.dims.ep > 1:  # completes the expert gradients' division by the data ranks
