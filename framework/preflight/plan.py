@@ -445,7 +445,7 @@ def plan_command(args: list[str], parse) -> int:
             sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         else:
             sys.stdout.write(time_table(rows, refused, device, int(gpus), world) + "\n")
-            if measure is not None:
+            if measure is not None and rows:
                 from framework.preflight.measure import comparison
 
                 sys.stdout.write(comparison(rows) + "\n")

@@ -202,3 +202,12 @@ def test_a_file_that_is_not_a_calibration_exits_2(tmp_path, capsys):
     from framework.preflight.hardware import read_calibration
 
     assert read_calibration(str(good)) == DEVICES["H100 SXM"]
+
+
+def test_measure_with_a_layout_that_does_not_fit_exits_2_and_runs_nothing(tmp_path, capsys):
+    here = tmp_path / "calibration.json"
+    write_calibration(Device(**{**H100.__dict__, "accelerator": "cpu"}), here)
+    args = ["--gpus", "2", "--hardware", str(here), "--measure", "1", "--gpu-mem", "1MB"]
+    code, out, err = run([*args, *TINY, "strategy=ddp"], capsys)
+    assert code == 2 and "no layout of the job over 2 GPUs passes fw check and fits" in err, err
+    assert "Predicted against measured" not in out and not list(tmp_path.glob("**/metrics.csv"))
