@@ -141,7 +141,7 @@ def predict_all(options: list[Option], device: Any, per_node: int) -> None:
     from framework.preflight.perf import count_replica, predict
 
     first = options[0].report
-    work = count_replica(first.config, first_batch(first.config, first.world))
+    work = count_replica(first.config, first_batch(first.config, first.plan))
     for o in options:
         o.prediction = predict(work, layout_facts(o.report, per_node), device)
 
@@ -153,9 +153,7 @@ def comm_bytes(cfg: DictConfig, report: CheckReport) -> float:
 
 def degrees_of(report: CheckReport) -> Any:
     """The layout's degrees on one mesh (None: a whole replica per process)."""
-    from framework.plugins import capability
-
-    return capability(report.plugin, "mesh_dims")(report.strategy, report.world)
+    return report.plan.dims
 
 
 def traffic(cfg: DictConfig, report: CheckReport) -> dict[str, float]:
@@ -197,7 +195,7 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
     cfg, world = report.config, report.world
     dims = degrees_of(report)
     n = world.world_size
-    data_ranks = report.plugin.data_parallel(report.strategy, world)[1]
+    data_ranks = report.plan.data_parallel[1]
     tp = dims.tp if dims is not None else 1
     pp = dims.pp if dims is not None else 1
     ep = dims.ep if dims is not None else 1
