@@ -15,6 +15,12 @@ its mode (seeded, so a campaign can be replayed):
   (`trainer.num_nodes=2`, `launcher.min_nodes=1`); the second one's whole process group is
   killed at a random step: the first goes on alone, with the same global batch (its losses are
   compared within 1e-5, the summation order differs).
+- `nan`: nothing is killed: the loss of one rank turns NaN at a random step, under
+  `callbacks.loss_guard` with `action` skip or rollback (by seed). The trial passes when the job
+  ends with exit code 0, RUN_DIR/skipped.jsonl names that step (a rollback: to the newest
+  checkpoint, the steps since skipped), the steps before it are bitwise those of the
+  uninterrupted run and every later loss is finite (tests/distributed/test_loss_guard.py shows
+  they equal a run without the skipped samples).
 - `end`: one worker of a job without restarts (`launcher.max_restarts=0`), at a random step: the
   job must end naming the killed rank (the time to that end is reported); then the same command
   again.
@@ -85,7 +91,7 @@ STRATEGIES = {
         "strategy.microbatches=2",
     ],
 }
-MODES = ("worker", "mid-save", "restart", "job", "commit", "end", "node")
+MODES = ("worker", "mid-save", "restart", "job", "commit", "end", "node", "nan")
 NODE_LOSS = ("ddp",)  # the strategies `node` trials run under
 # without dropout: its masks come from each rank's own random stream, which one process left
 # alone cannot draw as two did (node trials have their own uninterrupted reference)
@@ -187,6 +193,8 @@ def kill_one(proc: subprocess.Popen, rng: random.Random) -> bool:
 
 def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> dict:
     """One kill (or two) and the check; what happened."""
+    if mode == "nan":
+        return nan_trial(strategy, seed, root, reference)
     rng = random.Random(seed)
     args = [*STRATEGIES[strategy], *COMMON, *(NODE_ARGS if mode == "node" else [])]
     if mode == "end":
@@ -288,6 +296,64 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
         result["exit_code"] = -1  # the job did not end as it should have
     if failed(result):
         result["stderr_tail"] = (first_err + err)[-3000:]
+    else:
+        shutil.rmtree(run, ignore_errors=True)
+    return result
+
+
+def nan_trial(strategy: str, seed: int, root: Path, reference: list) -> dict:
+    """A NaN loss on one rank at a random step, under the loss guard (see `nan` above)."""
+    rng = random.Random(seed)
+    step, rank = rng.randint(2, STEPS - 4), rng.randint(0, 1)
+    action = rng.choice(["skip", "rollback"])
+    slow = ("task._target_=", "+task.model.step_sleep=", "+task.model.loss_sleep=")
+    args = [a for a in [*STRATEGIES[strategy], *COMMON] if not a.startswith(slow)]
+    args += [
+        "task._target_=tests.loss_guard_tasks.BadStepDigits",
+        f"+task.model.nan_steps=[{step}]",
+        f"+task.model.bad_rank={rank}",
+        "+callbacks.loss_guard.kind=loss_guard",
+        f"+callbacks.loss_guard.action={action}",
+    ]
+    run = root / f"{strategy}-nan-{seed}"
+    started = time.monotonic()
+    proc = start(args, run)
+    err = output(proc)
+    got = dict(rows(run))
+    try:
+        lines = (run / "skipped.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+    except OSError:
+        records = []
+    every = 4  # callbacks.checkpoint.every_n_steps in COMMON: the newest checkpoint before
+    back_to = step // every * every if action == "rollback" and step >= every else None
+    expected = list(range(back_to, step + 1)) if back_to is not None else [step]
+    recorded = [(r["step"], r["rolled_back_to"], r["skipped_steps"]) for r in records]
+    result = {
+        "strategy": strategy,
+        "mode": "nan",
+        "seed": seed,
+        "killed": bool(records),  # the fault was injected (and seen)
+        "exit_code": proc.returncode,
+        "losses_equal": recorded == [(step, back_to, expected)]
+        and [(s, v) for s, v in reference if s < step]
+        == [(s, got.get(s)) for s, _ in reference if s < step]
+        and all(s in got and abs(float(got[s])) < float("inf") for s in range(step + 1, STEPS)),
+        "resumed": True,  # nothing restarts
+        "corrupt": [
+            f"{p.name}: {problem}"
+            for _, p in checkpointing.listing(run / "checkpoints")
+            if (problem := checkpointing.verify(p)) is not None
+        ],
+        "resumed_s": None,
+        "ended_s": None,
+        "phases": None,
+        "action": action,
+        "nan_step": step,
+        "run_s": time.monotonic() - started,
+    }
+    if failed(result):
+        result["stderr_tail"] = err[-3000:]
     else:
         shutil.rmtree(run, ignore_errors=True)
     return result
