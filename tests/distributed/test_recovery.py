@@ -172,8 +172,9 @@ def test_a_slow_rank_is_named_as_the_straggler(workdir):
 
 
 def test_kill_campaign_smoke_three_trials_resume_exactly():
-    """benchmarks.kill_campaign, 3 trials under ddp: a kill mid-save, a kill during the restart
-    and a kill of the whole job; each run resumes from its newest checkpoint and ends with the
+    """benchmarks.kill_campaign, 4 trials under ddp: a kill mid-save, a kill during the restart,
+    a kill of the whole job and a NaN loss under the loss guard (seed 6: a rollback at step 20);
+    each run resumes from its newest checkpoint and ends with the
     uninterrupted run's losses bitwise and no corrupt checkpoint (the full campaign: docs/benchmarks.md)."""
     done = subprocess.run(
         [
@@ -181,11 +182,11 @@ def test_kill_campaign_smoke_three_trials_resume_exactly():
             "-m",
             "benchmarks.kill_campaign",
             "--trials",
-            "3",
+            "4",
             "--strategies",
             "ddp",
             "--modes",
-            "mid-save,restart,job",
+            "mid-save,restart,job,nan",
             "--no-save",
             # seeds 3-5: the restart and job trials kill at steps 9 and 10, after a checkpoint
             # (seed 0's job trial killed at step 3, where a fresh start is the right outcome)
@@ -200,8 +201,8 @@ def test_kill_campaign_smoke_three_trials_resume_exactly():
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = done.stdout
-    assert "3 trials, 0 failed" in table, table
-    for mode in ("mid-save", "restart", "job"):
+    assert "4 trials, 0 failed" in table, table
+    for mode in ("mid-save", "restart", "job", "nan"):
         line = next(
             row for row in table.splitlines() if row.startswith("ddp") and f" {mode} " in row
         )
