@@ -142,6 +142,7 @@ def test_a_bad_elastic_setting_is_refused_before_anything_starts(
         "trainer.num_nodes=2",
         "trainer.devices=1",
         f"launcher.rdzv_endpoint=localhost:{free_port()}",
+        "launcher.join_timeout_s=5",  # a check that let it through would wait for node 2
     ]
     err = refused([*common, *args, *QUIET], workdir, monkeypatch, capsys)
     assert message in err, err
