@@ -14,13 +14,29 @@ tensor parallel tp = 2 (the 2 processes share each batch of 8). Each run trains 
 after the other, the first alternating from layout to layout (and from repeat to repeat), so a
 change in the machine's load falls on both. Run: `python -m benchmarks.hf [--repeats N]` (part
 of `make bench`; about 3 minutes per repeat on 2 cores at load 4).
+
+Loading (`--section load`, also part of the default `all`): a Llama of LOAD_MODEL's shape
+(272.7 MB of fp32 weights) written by the benchmark with `save_pretrained` into safetensors
+shards of LOAD_SHARD, then read three ways, each in a fresh process: `from_pretrained` on one
+process (the reference), `fw train task=hf_lm task.model.pretrained=DIR` under fsdp=2 and on one
+process (one step each). Per rank: the seconds and the peak resident memory above where loading
+started (the framework's run_dir/pretrained/rank<R>.json; for from_pretrained the same
+/proc/self high-water mark around the call, and again once every weight has been read: its
+weights are views of the memory-mapped files, whose pages become resident only when a step
+first reads them, so right after the call it shows about half the model). Goal: RSS per rank
+at fsdp=2 <= 0.65x from_pretrained's (with its weights read). Results:
+benchmarks/results/hf_load.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 from benchmarks.common import (
     load_average,
@@ -102,11 +118,99 @@ def parameters() -> dict[str, int]:
     }
 
 
+LOAD_MODEL = {  # 68.2 M parameters, 272.7 MB in fp32
+    "vocab_size": 8192,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 128,
+}
+LOAD_SHARD = "50MB"
+FROM_PRETRAINED = """
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM  # imported before the clock
+from framework.nn.hf_load import peak_rss, reset_peak_rss
+start, rss0 = time.perf_counter(), reset_peak_rss()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+loaded = {"peak_rss_delta": peak_rss() - rss0, "seconds": time.perf_counter() - start}
+with torch.no_grad():  # a first step reads every weight: the mapped file's pages come in
+    sum(float(p.sum()) for p in model.parameters())
+print(json.dumps([loaded, {"peak_rss_delta": peak_rss() - rss0, "seconds": loaded["seconds"]}]))
+"""
+
+
+def write_load_model(directory: Path) -> int:
+    """The benchmark's Llama (random init, seed 0) as sharded safetensors; its weight bytes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LOAD_MODEL))
+    model.save_pretrained(directory, max_shard_size=LOAD_SHARD)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def fw_load(directory: Path, tmp: str, strategy: str, devices: int) -> list[dict]:
+    """One step of hf_lm from `directory`; each rank's loading report."""
+    run = f"{tmp}/run-{strategy}-{devices}"
+    args = ["task=hf_lm", f"task.model.pretrained={directory}", "task.data.tokenizer=bytes"]
+    args += ["task.data.block_size=32", "task.data.batch_size=1", "task.data.max_bytes=100000"]
+    run_checked(train_command(run, 1, devices, *args, f"strategy={strategy}"), strategy)
+    return [json.loads(p.read_text())[0] for p in sorted(Path(run).glob("pretrained/rank*.json"))]
+
+
+def loading() -> dict:
+    """from_pretrained on one process against fw's loading under fsdp=2 and on one process."""
+    with tempfile.TemporaryDirectory(prefix="fw-bench-hf-load-") as tmp:
+        directory = Path(tmp) / "llama"
+        weights = write_load_model(directory)
+        done = subprocess.run(
+            [sys.executable, "-c", FROM_PRETRAINED, str(directory)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        right_after, reference = json.loads(done.stdout.strip().splitlines()[-1])
+        rows = {"from_pretrained, 1 process": [reference]}
+        rows["(the same, right after the call)"] = [right_after]
+        rows["fw fsdp=2"] = fw_load(directory, tmp, "fsdp", 2)
+        rows["fw, 1 process"] = fw_load(directory, tmp, "ddp", 1)
+        files = len(list(directory.glob("*.safetensors")))
+    print(f"Loading a {weights / 1e6:.1f} MB fp32 Llama ({files} safetensors files)")
+    print(f"{'how':<34} rank  peak RSS rise (MB)  x from_pretrained  seconds")
+    for how, ranks in rows.items():
+        for rank, r in enumerate(ranks):
+            ratio = r["peak_rss_delta"] / reference["peak_rss_delta"]
+            print(
+                f"{how:<34} {rank:>4} {r['peak_rss_delta'] / 1e6:>19.1f} {ratio:>18.2f} "
+                f"{r['seconds']:>8.2f}"
+            )
+    worst = max(r["peak_rss_delta"] for r in rows["fw fsdp=2"])
+    return {
+        "model": LOAD_MODEL,
+        "weight_bytes": weights,
+        "files": files,
+        "rows": rows,
+        "fsdp2_worst_rank_over_from_pretrained": round(worst / reference["peak_rss_delta"], 3),
+        "goal": 0.65,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1, help="runs of each model and layout")
-    repeats = parser.parse_args().repeats
+    parser.add_argument(
+        "--section", choices=["all", "step", "load"], default="all", help="what to measure"
+    )
+    options = parser.parse_args()
+    repeats = options.repeats
     load_at_start = load_average()
+    if options.section in ("all", "load"):
+        save_results("hf_load", loading(), load_at_start)
+        if options.section == "load":
+            return
     times: dict[tuple[str, str], list[float]] = {}
     turn = 0
     for _ in range(repeats):
