@@ -89,3 +89,19 @@ BASE = ["experiment=gpt_tiny", *CP2, "trainer.devices=2"]
 def test_bad_settings_are_refused_before_launch(args, says, workdir, monkeypatch, capsys):
     line = refused(args, workdir, monkeypatch, capsys)
     assert says in line, line
+
+
+def test_fw_check_divides_activations_by_cp():
+    """fw check simulates a cp rank on its chunks: at cp=2 its activations are at most 0.55x
+    those of cp=1 (the same batch per rank; measured 0.52x)."""
+    from framework.preflight.check import check
+
+    gpt = ["task=gpt", "task.model.n_layer=2", "task.model.n_embd=64", "task.model.n_head=2"]
+    base = [*gpt, "task.model.block_size=1024", "task.data.batch_size=4", "strategy=fsdp"]
+    per_rank = {
+        cp: max(
+            r.activations for r in check([*base, "trainer.devices=2", f"strategy.cp={cp}"]).ranks
+        )
+        for cp in (1, 2)
+    }
+    assert per_rank[2] <= 0.55 * per_rank[1], per_rank
