@@ -133,6 +133,7 @@ def validate(cfg: Config, world: World) -> None:
 def join(cfg: Config, world: World, config: dict) -> bool:
     """One fw process writes the run directory; on a cluster of several nodes it must be one
     every node sees (checked before it is written)."""
+    connect(*cluster_address(cfg), world, cfg)  # again after the previous job of a sweep
     check_shared(Path(config["run"]["dir"]), cfg.probe_timeout_s)
     return True
 
@@ -189,7 +190,9 @@ def probe(address: str, key: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
-        answer = ask_gcs(f"{host}:{port}", max(deadline - time.monotonic(), 0.001))
+        answer = None
+        if not address.startswith("ray://"):  # Ray Client's server is not the GCS
+            answer = ask_gcs(f"{host}:{port}", max(deadline - time.monotonic(), 0.001))
     except OSError as err:
         answer = str(err)
     if answer is None:
