@@ -147,6 +147,29 @@ def loss_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     }
 
 
+def input_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The `plan` with the attention and MLP of each decoder layer (a child holding only
+    column/row-split linears and per-head norms, two column-split or more) taking their input as
+    one replicated DTensor: the input gradients of their column-split linears (q, k, v; gate,
+    up) add up into one partial sum, all-reduced once per module rather than once per linear
+    (profiled: 405 against 225 collectives in 5 steps of a 4-layer Llama against the
+    framework's gpt, whose q, k, v and MLP input are each one linear)."""
+    out = dict(plan)
+    for path, model in models(task):
+        base = getattr(model, "base_model", model)
+        base_path = next(_join(path, n) for n, m in model.named_modules() if m is base)
+        classes = set(getattr(model, "_no_split_modules", None) or ())
+        for name, layer in base.named_modules():
+            if type(layer).__name__ not in classes:
+                continue
+            for child, _ in layer.named_children():
+                full = f"{_join(base_path, name)}.{child}"
+                inside = [v for k, v in plan.items() if k.startswith(f"{full}.")]
+                if inside.count("colwise") > 1 and set(inside) <= IN_LAYER.keys():
+                    out[full] = "replicate_input"
+    return out
+
+
 def sequence_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """The tensor-parallel `plan` ({module: framework style}) of the task's transformers models
     made sequence parallel: the residual stream between decoder layers is split over the

@@ -23,6 +23,7 @@ STYLES = (
     "colwise_sharded_logits_from_sequence",
     "split_sequence_input",
     "gather_sequence_input",
+    "replicate_input",
     "rowwise_from_replicated",
     "replicated_grad_sum",
 )
@@ -39,6 +40,15 @@ def style(name: str) -> Any:
     communication); gather_sequence: all-gather the input's positions before the module;
     rowwise_scatter_sequence: rowwise with a reduce-scatter over positions instead of the
     all-reduce; colwise_gather_from_sequence: all-gather the positions, then colwise_gather.
+    For a module given its hidden states as first argument or as the keyword `hidden_states`
+    (transformers' decoder layers and attention): split_sequence_input: keep this rank's
+    positions of them; gather_sequence_input: all-gather them (as gather_sequence);
+    replicate_input: hand them on as a replicated DTensor, so that the column-split linears
+    inside add their input gradients into one partial sum, all-reduced once at the module's input
+    rather than once per linear. rowwise_from_replicated: rowwise for a whole input, which each
+    rank slices itself. replicated_grad_sum: the weights stay whole and run on this rank's part
+    of an activation split over tp (a per-head norm after a column split); their gradients are
+    summed over the ranks.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -80,6 +90,7 @@ def style(name: str) -> Any:
     makers |= {
         "split_sequence_input": lambda: own["HiddenStates"](Replicate(), Shard(1), True),
         "gather_sequence_input": lambda: own["HiddenStates"](Shard(1), Replicate()),
+        "replicate_input": lambda: own["HiddenStates"](Replicate(), Replicate()),
         "rowwise_from_replicated": lambda: RowwiseParallel(input_layouts=Replicate()),
         "replicated_grad_sum": lambda: own["ReplicatedGradSum"](),
     }
@@ -115,7 +126,7 @@ def _own_styles() -> dict[str, type]:
         def _redistribute(self, x: torch.Tensor, mesh):
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, [self.given], run_check=False)
-            if x.shape[1] % mesh.size():
+            if Replicate() not in (self.given, self.wanted) and x.shape[1] % mesh.size():
                 raise ValueError(
                     f"sequence parallel splits each sequence over the tp={mesh.size()} ranks, "
                     f"and its {x.shape[1]} positions do not split evenly: use a sequence length "
@@ -230,7 +241,7 @@ def hf_plan(
                     plan[name] = found
     if loss_parallel:
         plan = hf.loss_plan(model, plan)
-    return hf.sequence_plan(model, plan) if sequence_parallel else plan
+    return hf.sequence_plan(model, plan) if sequence_parallel else hf.input_plan(model, plan)
 
 
 def _plan_of(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:

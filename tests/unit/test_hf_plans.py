@@ -41,7 +41,10 @@ def test_llama_plan_at_its_path_in_the_task():
     assert plan["lm.model.layers.0.mlp.down_proj"] == "rowwise"
     assert plan["lm.model.embed_tokens"] == "rowwise_embedding"
     assert plan["lm.lm_head"] == "colwise_gather"
-    assert len(plan) == 2 + 2 * 7  # embedding, head, 7 projections per layer; norms whole
+    # the attention and the MLP take their input once, as a replicated DTensor (one all-reduce
+    # of its gradient per module in backward, not one per column-split linear)
+    assert plan["lm.model.layers.0.self_attn"] == plan["lm.model.layers.1.mlp"] == "replicate_input"
+    assert len(plan) == 2 + 2 * (7 + 2)  # embedding, head, per layer 7 projections + 2 inputs
 
 
 def test_a_config_entry_replaces_the_model_entry_for_its_module_only():
