@@ -5,8 +5,8 @@ back on every rank, and training goes on exactly as a run whose data leaves thos
 Every guarded run trains digits in a fixed order, 32 samples a step (2 ranks x 16), for 12
 steps, and leaves out the batches of steps 4, 5 and 6 (samples 128-223): `skip` by three bad
 steps (NaN, spike, NaN), `rollback` by one NaN at step 6 that rolls back to the checkpoint of
-step 4. The one reference is a one-process run of 9 steps without those samples: its steps 0-3
-are the guarded steps 0-3, its steps 4-8 the guarded steps 7-11."""
+step 4. The one reference is a one-process run without those samples: its steps 0-3 are the
+guarded steps 0-3, its steps 4-8 the guarded steps 7-11, learning rates included."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ BASE = [
     "trainer.deterministic=true",
     "trainer.log_every_n_steps=1",
     "logger=[csv]",
+    # a schedule that moves every step: a skipped step must not advance it, a rollback restores it
+    "task.scheduler.name=cosine",
+    "task.scheduler.warmup_steps=5",
 ]
 GUARDED = [
     *BASE,
@@ -48,7 +51,8 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("loss_guard_reference")
     leave_out = "[" + ",".join(map(str, LEFT_OUT)) + "]"
     args = [*BASE, "task.data.batch_size=32", f"+task.data.leave_out={leave_out}"]
-    result = fw("train", *args, "trainer.max_steps=9", "run.dir=run", cwd=root)
+    # 12 steps (3 more than compared), so that its cosine schedule has the guarded runs' length
+    result = fw("train", *args, "trainer.max_steps=12", "run.dir=run", cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return losses(root / "run")
 
