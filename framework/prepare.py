@@ -27,7 +27,7 @@ def prepare_command(args: list[str], parse) -> int:
     from framework.config.validate import check_fields, check_task
     from framework.data.prepared import ENGINES
     from framework.instantiate import instantiate_args
-    from framework.preflight import take_option
+    from framework.preflight.options import take_option
     from framework.runner import resolve
 
     workers, args = take_option(args, "--workers")

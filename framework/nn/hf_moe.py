@@ -117,7 +117,7 @@ def sparse_blocks(task: nn.Module, ep: int) -> list[SparseBlock]:
     `ep_plan` styles `ep_dispatch_experts`), each checked to be one the swap reproduces; a
     ConfigError names the first that is not. Blocks already swapped are not listed."""
     from framework.nn import hf
-    from framework.nn.plan import matches
+    from framework.nn.keys import matches
 
     found: list[SparseBlock] = []
     for path, model in hf.models(task):

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.nn.keys import matches
+
 STYLES = (
     "colwise",
     "rowwise",
@@ -319,16 +321,6 @@ def apply_tensor_parallel(
             module_name, _, attr = other.rpartition(".")
             setattr(model.get_submodule(module_name) if module_name else model, attr, shared)
     return len(plan)
-
-
-def matches(pattern: str, name: str) -> bool:
-    """Whether a plan key (dotted, each part may use * wildcards) names this module."""
-    import fnmatch
-
-    parts, atoms = name.split("."), pattern.split(".")
-    return len(parts) == len(atoms) and all(
-        fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms, strict=True)
-    )
 
 
 def _shared_parameters(model: nn.Module) -> dict[str, list[str]]:

@@ -28,7 +28,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def calibrate_command(args: list[str]) -> int:
-    from framework.preflight import take_option
+    from framework.preflight.options import take_option
 
     out, args = take_option(args, "--out")
     processes, args = take_option(args, "--processes")

@@ -376,8 +376,8 @@ def plan_command(args: list[str], parse) -> int:
     import sys
 
     from framework.perf import parse_memory
-    from framework.preflight import take_option
     from framework.preflight.hardware import known_device, read_calibration
+    from framework.preflight.options import take_option
 
     values = {}
     for name in ("--gpus", "--gpu-mem", "--gpu", "--hardware", "--tokens",
