@@ -231,6 +231,18 @@ def test_sigterm_saves_exits_75_and_leaves_no_actor(cluster, workdir):
     assert alive_actors(cluster["address"]) == [], "no actor outlives fw"
 
 
+def test_a_failed_rank_without_restarts_ends_the_job_naming_it(cluster, workdir):
+    args = ["task._target_=tests.tasks.FailingDigitsTask", "~task.model.dropout"]
+    args += ["trainer.devices=2", "trainer.max_steps=50", "trainer.log_every_n_steps=1", *QUIET]
+    code, err = train([*args, "launcher=ray", "run.dir=run"], workdir, cluster["address"])
+    ended = time.time()
+    assert code == 1, err[-3000:]
+    assert "rank 1 failed: RuntimeError: deliberate failure at step 3" in err, err[-3000:]
+    # rank 0 wrote step 2's row just before rank 1 raised in step 3; rank 0 then waits in a
+    # collective that never completes (gloo's timeout: 30 min) until the launcher stops it
+    assert ended - (workdir / "run" / "metrics.csv").stat().st_mtime < 30
+
+
 def refused(args: list[str], cwd: Path, address: str, run: Path | None = None):
     """fw train's stderr and how long it took; it exits 2 having written nothing."""
     run = run or cwd / "run"
