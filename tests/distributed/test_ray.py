@@ -180,6 +180,17 @@ def test_two_ranks_on_two_nodes_train_bitwise_as_the_local_launcher(cluster, ref
     assert "(rank 1 pid=" in err, "each rank's output reaches the console, prefixed"
 
 
+def test_gpt_under_fsdp_trains_bitwise_as_the_local_launcher(cluster, workdir):
+    gpt = ["experiment=gpt_tiny", "strategy=fsdp", "trainer.devices=2", "trainer.max_steps=6"]
+    gpt += ["trainer.log_every_n_steps=1", "trainer.deterministic=true", "callbacks=none", *QUIET]
+    runs = {"local": [], "ray": ["launcher=ray"]}
+    for name, launcher in runs.items():
+        code, err = train([*gpt, *launcher, f"run.dir={name}"], workdir, cluster["address"])
+        assert code == 0, err[-3000:]
+    assert metric_rows(workdir / "ray") == metric_rows(workdir / "local"), "bitwise local's"
+    assert len(metric_rows(workdir / "ray")) == 6
+
+
 def rank_pids(temp: str) -> list[int]:
     """The processes of the cluster's actors of launcher=ray (Ray titles them ray::Rank...)."""
     found = []
