@@ -5,7 +5,8 @@ error messages).
 
 It knows three kinds of secret:
 - a value under a config key that looks like a credential (`token`, `api_key`, `secret`,
-  `password`, `credential`, ... or the extra names in `run.secret_keys`), shown as `'***'`;
+  `password`, `credential`, ... or the extra names in `run.secret_keys`; not `tokens`, a
+  count, nor `tokenizer`), shown as `'***'`;
 - the password of a URL (`scheme://user:password@host`), wherever it appears as text;
 - the value of a credential environment variable (`WANDB_API_KEY`, `HF_TOKEN`, any `*_TOKEN`,
   `*_KEY`, `*_SECRET*`, `*_PASSWORD`, ...), and the secret config values the framework hands its
@@ -24,10 +25,14 @@ from typing import Any
 
 REDACTED = "***"
 ENV = "FW_SECRET_VALUES"  # the secret config values, handed to the workers outside config.yaml
-# `token` but not `tokenizer` (a path to a vocabulary, e.g. task.data.tokenizer)
+# `token` (hf_token, WANDB_API_TOKEN, rdzv_token) but not `tokenizer` (a path to a vocabulary,
+# e.g. task.data.tokenizer), a count of tokens (`fw plan --tokens 1e12`, max_tokens,
+# tokens_per_s) or a token's id in a vocabulary (pad_token_id): those are numbers and paths a
+# user must see. A plural that names credentials (auth_tokens, access_tokens) is still secret.
 WORDS = (
     "api[_-]?key",
-    "token(?!i[sz])",
+    "token(?!i[sz]|s|[_-]?ids?(?![a-z]))",
+    "(auth|access|api|bearer|refresh|session)[_-]?tokens",
     "secret",
     "password",
     "passwd",

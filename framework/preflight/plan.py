@@ -355,18 +355,10 @@ def positive(key: str, text: str | None) -> float | None:
     try:
         value = float(text)
     except ValueError:
-        raise shown(ConfigError(key, text, "is not a number"), text) from None
+        raise ConfigError(key, text, "is not a number") from None
     if not value > 0 or value == float("inf"):
-        raise shown(ConfigError(key, text, "must be a number above zero"), text)
+        raise ConfigError(key, text, "must be a number above zero")
     return value
-
-
-def shown(err: ConfigError, value: str) -> ConfigError:
-    """`err` with its value printed: `--tokens` looks like a credential's key to the error's
-    masking (framework/secrets.py), but a count of tokens is not one."""
-    err.value = value
-    err.args = (err.render(),)
-    return err
 
 
 def plan_command(args: list[str], parse) -> int:

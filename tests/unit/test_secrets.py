@@ -91,3 +91,20 @@ def test_a_tokenizer_key_is_not_a_secret_but_a_token_key_is():
 
     assert not is_secret_key("tokenizer") and not is_secret_key("tokenise")
     assert is_secret_key("hf_token") and is_secret_key("TOKEN") and is_secret_key("auth_tokens")
+
+
+def test_a_count_of_tokens_is_shown_and_a_token_is_not(monkeypatch):
+    """`fw plan --tokens 1e12` and `tokens=` are numbers a user must see in a command line or an
+    error; `token=`, `hf_token` and a `WANDB_API_TOKEN`-like variable stay hidden."""
+    from framework.errors import ConfigError
+    from framework.secrets import is_secret_key
+
+    assert not any(map(is_secret_key, ["--tokens", "tokens", "max_tokens", "pad_token_id"]))
+    assert all(map(is_secret_key, ["token", "hf_token", "WANDB_API_TOKEN", "access_tokens"]))
+    words = ["tokens=1e12", "token=abc", "+extra.hf_token=xyz", "task.data.max_tokens=4096"]
+    shown = secrets.redact_words(words, values=())
+    assert shown == ["tokens=1e12", "token=***", "+extra.hf_token=***", words[3]]
+    assert "--tokens=-5e9: must be" in str(ConfigError("--tokens", "-5e9", "must be above 0"))
+    assert "hf_token=***: " in str(ConfigError("hf_token", "hf_abcdef", "is wrong"))
+    env = {"WANDB_API_TOKEN": "wb-12345678", "MAX_TOKENS": "409600", "FW_TOKENS": "1000000"}
+    assert secrets.environment_credentials(env) == {"wb-12345678"}
