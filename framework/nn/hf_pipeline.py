@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.errors import ConfigError
 from framework.nn import hf
 
 IGNORE_INDEX = -100  # transformers' label for a position without a loss
@@ -100,6 +101,29 @@ class _DecoderLayer:
             kwargs["position_embeddings"] = rotary(hidden, positions)
         out = self.layer(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+def check_loss(path: str, model: nn.Module, pp: int) -> None:
+    """A ConfigError when transformers adds to `model`'s causal-LM loss what the last stage
+    cannot compute: a MoE model's auxiliary load-balancing loss (`output_router_logits` with a
+    non-zero `router_aux_loss_coef`), which needs every layer's router logits while only hidden
+    states travel between stages."""
+    config = model.config.get_text_config()
+    if getattr(config, "output_router_logits", False) and getattr(
+        config, "router_aux_loss_coef", 0.0
+    ):
+        key = ".".join(p for p in (path, "config", "output_router_logits") if p)
+        raise ConfigError(
+            key,
+            True,
+            f"{type(model).__name__} adds its routers' auxiliary loss (router_aux_loss_coef="
+            f"{config.router_aux_loss_coef}) to the loss, from the router logits of every layer; "
+            f"under a pipeline (strategy.pp={pp}) the last stage computes the loss from the "
+            "hidden states alone and would leave it out",
+            ["false"],
+            hint="Set output_router_logits=false (or router_aux_loss_coef=0) for pipeline "
+            "training, or use pp=1.",
+        )
 
 
 def is_causal_lm(model: nn.Module) -> bool:

@@ -264,6 +264,7 @@ def parallel_rank(
     task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms, cuda: bool
 ) -> RankMemory:
     """A rank of the parallel strategy: the worker's own mesh, cut, plans and FSDP units."""
+    from framework.nn.hf_moe import swap_sparse_blocks
     from framework.parallel.parallelize import parallelize
 
     mode = fake_mode()
@@ -271,6 +272,8 @@ def parallel_rank(
     coords = dims.coordinates(rank)
     with fake_world(rank, dims.world_size), _quiet_logging():
         task = build_fake_task(task_cfg, mode, precision)
+        if dims.ep > 1:  # as the strategy does first: the cut and the plans see the swapped
+            swap_sparse_blocks(task, dims.ep)  # blocks (their experts split by ep, not tp)
         mesh = dims.build_mesh("cpu")
         batch = fake_batch(mode, batch)
         cut, inputs = (None, {}) if dims.pp == 1 else pipeline_cut(task, cfg, dims, coords, batch)

@@ -263,6 +263,8 @@ def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
             "pipeline parallel computes the loss on the last stage with it",
             hint="Add a loss method (and pipeline_batch, if a batch is not (input, target)).",
         )
+    if isinstance(pipeline.objective(task).loss, hf_pipeline.CausalLMLoss):
+        hf_pipeline.check_loss(*hf_pipeline.find(task), dims.pp)  # a loss the stages drop
     try:
         chain = pipeline.layers(task)
         pipeline.check_covered(task, chain)
