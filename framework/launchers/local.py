@@ -21,7 +21,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +31,7 @@ from framework import checkpointing
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, ConfigError
 from framework.launchers import rendezvous
+from framework.launchers.restarts import WorkerFailure, after, record_restart, with_restarts
 from framework.watchdog import HEARTBEAT_ENV, WATCHED, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
 
@@ -103,16 +103,18 @@ class Config:
         "loads pause the clock; 0: no watchdog).",
         min=0,
     )
+    fast_start: bool = doc(
+        False,
+        "On one machine, the workers' agent takes the store this process holds at once, "
+        "instead of torch's dynamic rendezvous (which waits 0-0.3 s at random in each start); "
+        "false: torch's, for comparison (benchmarks/kill_campaign.py) or as a fallback.",
+    )
     start_method: str = doc(
         "auto",
         "fork: workers are copies of the fw process (no second import of torch and Lightning; "
         "CPU only); spawn: fresh interpreters; auto: fork on CPU, spawn on CUDA.",
         ("auto", "fork", "spawn"),
     )
-
-
-class WorkerFailure(RuntimeError):
-    """One or more worker processes failed; the message names each rank and its error."""
 
 
 class WorkersPreempted(RuntimeError):
@@ -212,21 +214,14 @@ def build(cfg: Config, plan: JobPlan):
         if elastic(cfg, world):
             run_elastic(cfg, world, method, config_path, resume_from)
             return
-        for attempt in range(cfg.max_restarts + 1):
-            if attempt:  # from the newest checkpoint this job completed, else where it began
-                resume_from = checkpointing.newest_complete(run_dir / "checkpoints") or resume_from
+
+        def start(attempt: int, resume_from: Path | None) -> str | None:
             os.environ[RESTART_ENV] = str(attempt)
             with forward_signals(PREEMPT_SIGNALS):
-                failure = start_workers(
-                    cfg, world, method, worker_args(method, config_path, resume_from), run_dir
-                )
-            if failure is None:
-                return
-            if attempt == cfg.max_restarts:
-                after = f" (after {attempt} restart{'s' * (attempt > 1)})" if attempt else ""
-                raise WorkerFailure(failure + after)
-            log.warning("Restart %d of %d after: %s", attempt + 1, cfg.max_restarts, failure)
-            record_restart(run_dir, attempt + 1, failure)
+                args = worker_args(method, config_path, resume_from)
+                return start_workers(cfg, world, method, args, run_dir)
+
+        with_restarts(cfg.max_restarts, run_dir, resume_from, start)
 
     return launch
 
@@ -264,8 +259,7 @@ def run_elastic(
         if failure is None:
             return
         if restarts == cfg.max_restarts:
-            after = f" (after {restarts} restart{'s' * (restarts > 1)})" if restarts else ""
-            raise WorkerFailure(failure + after)
+            raise WorkerFailure(failure + after(restarts))
         restarts += 1
         log.warning("Restart %d of %d after: %s", restarts, cfg.max_restarts, failure)
         record_restart(run_dir, restarts, failure)
@@ -285,17 +279,6 @@ def worker_args(method: str, config_path: Path, resume_from: Path | None) -> tup
     if resume_from is not None:
         args += ("--resume", str(resume_from))
     return sys.executable, args
-
-
-def record_restart(run_dir: Path, attempt: int, cause: str) -> None:
-    """Each restart and its cause, kept in run.json."""
-    from framework.context import load_run_state
-
-    state = load_run_state(run_dir)
-    state.setdefault("restarts", []).append(
-        {"attempt": attempt, "time": time.time(), "cause": cause}
-    )
-    checkpointing.write_json_atomic(run_dir / "run.json", state)
 
 
 @contextlib.contextmanager
@@ -353,6 +336,7 @@ def start_workers(
 
     attempt = os.environ.get(RESTART_ENV, "0")
     endpoint, run_id, local_addr, store = cfg.rdzv_endpoint, None, None, None
+    backend = rendezvous.BACKEND
     min_nodes, watch, rdzv_configs = world.num_nodes, None, {"join_timeout": cfg.join_timeout_s}
     if generation is not None:  # an elastic job: the node count of this start is open
         run_id, min_nodes, watch = generation
@@ -366,6 +350,7 @@ def start_workers(
         address = address if address.startswith("127.") or address == "::1" else "127.0.0.1"
         store = rendezvous.bound_store(address, int(port or 0), timedelta(seconds=60))
         endpoint, run_id, local_addr = f"{address}:{store.port}", f"fw-{uuid.uuid4().hex}", address
+        backend = rendezvous.DIRECT if cfg.fast_start else backend
     rendezvous.register_backend()
     log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
     launch_config = LaunchConfig(
@@ -373,7 +358,7 @@ def start_workers(
         max_nodes=world.num_nodes,
         nproc_per_node=world.devices,
         run_id=run_id,
-        rdzv_backend=rendezvous.BACKEND,
+        rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         local_addr=local_addr,
         rdzv_configs={k: int(math.ceil(v)) for k, v in rdzv_configs.items()},

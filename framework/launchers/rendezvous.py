@@ -23,6 +23,7 @@ from datetime import timedelta
 from framework.errors import ConfigError
 
 BACKEND = "fw-bound"  # torch's c10d rendezvous, with stores bound to one address
+DIRECT = "fw-direct"  # one machine, one agent: the store this process holds, no meeting
 TOKEN_ENV = "FW_RDZV_TOKEN"
 LOOPBACK = "127.0.0.1"
 
@@ -72,6 +73,60 @@ def register_backend() -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)
+    rendezvous_handler_registry.register(DIRECT, _create_direct_handler)
+
+
+def _create_direct_handler(params):
+    """The rendezvous of a job on one machine: its only agent is this process, so there is
+    nobody to wait for. torch's dynamic rendezvous would still run its join protocol and, in
+    its first round (every start is one), sleep 0-0.3 s at random to spread the nodes out;
+    this one hands the agent the store at once (as torch's static rendezvous does, but on the
+    store bound to loopback here)."""
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousInfo,
+        RendezvousStoreInfo,
+    )
+
+    host, _, port = params.endpoint.rpartition(":")
+    timeout = timedelta(seconds=params.get_as_int("join_timeout", 600))
+
+    class DirectRendezvousHandler(RendezvousHandler):
+        """One node, rank 0, at once."""
+
+        def __init__(self) -> None:
+            self.store = None
+
+        def get_backend(self) -> str:
+            return DIRECT
+
+        @property
+        def use_agent_store(self) -> bool:
+            return True  # the workers meet on the same store, under their own prefix
+
+        def next_rendezvous(self):
+            if self.store is None:
+                self.store = TCPStore(host, int(port), is_master=False, timeout=timeout)
+            store = PrefixStore(params.run_id, self.store)
+            return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(host, int(port)))
+
+        def is_closed(self) -> bool:
+            return False
+
+        def set_closed(self) -> None:
+            pass
+
+        def num_nodes_waiting(self) -> int:
+            return 0
+
+        def get_run_id(self) -> str:
+            return params.run_id
+
+        def shutdown(self) -> bool:
+            return True
+
+    return DirectRendezvousHandler()
 
 
 def _create_handler(params):
