@@ -24,8 +24,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from framework import checkpointing
-from framework.launchers.local import WorkerFailure, record_restart
 from framework.launchers.ray.cluster import (
     check_resources,
     check_shared,
@@ -35,6 +33,7 @@ from framework.launchers.ray.cluster import (
 )
 from framework.launchers.ray.ranks import Attempt
 from framework.launchers.ray.settings import Config
+from framework.launchers.restarts import with_restarts
 from framework.world import World
 
 if TYPE_CHECKING:
@@ -74,18 +73,14 @@ def build(cfg: Config, plan: JobPlan):
         connect(address, key, world, cfg)
         run_dir = config_path.parent
         try:
-            for attempt in range(cfg.max_restarts + 1):
-                if attempt:  # from the newest checkpoint this job completed, else where it began
-                    newest = checkpointing.newest_complete(run_dir / "checkpoints")
-                    resume_from = newest or resume_from
-                failure = Attempt(cfg, world, run_dir, attempt).run(config_path, resume_from)
-                if failure is None:
-                    return
-                if attempt == cfg.max_restarts:
-                    after = f" (after {attempt} restart{'s' * (attempt > 1)})" if attempt else ""
-                    raise WorkerFailure(failure + after)
-                log.warning("Restart %d of %d after: %s", attempt + 1, cfg.max_restarts, failure)
-                record_restart(run_dir, attempt + 1, failure)
+            with_restarts(
+                cfg.max_restarts,
+                run_dir,
+                resume_from,
+                lambda attempt, resume: Attempt(cfg, world, run_dir, attempt).run(
+                    config_path, resume
+                ),
+            )
         finally:
             ray.shutdown()  # a cluster started here stops with it
 
