@@ -6,9 +6,9 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from framework import ConfigError, TaskModule
+from framework.nn.context import cross_entropy
 from recipes.gpt.model import GPT
 
 log = logging.getLogger("framework.recipes.gpt")
@@ -74,7 +74,8 @@ class GPTTask(TaskModule):
         return self.model(idx)
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        # F.cross_entropy's mean; under context parallel over the tokens of the whole sequences
+        return cross_entropy(logits, y)
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
