@@ -23,10 +23,13 @@ framework takes the view it needs from that one mesh by name:
 | `cp` | the fsdp ranks borrowed | context parallel (when cp > 1): the sequence split over it |
 | `tokens` | dp x fsdp, flattened (cp > 1) | the ranks holding different tokens (MoE routers' load counts) |
 
-With ep > 1 the fsdp dimension is factored into `fsdp_out x ep` (neighbouring fsdp ranks form an
-expert-parallel group); the `fsdp` view is then those two flattened. With cp > 1 it is factored
-into `fsdp_out x cp` the same way (neighbouring ranks share a sequence: attention's K/V traffic
-takes the fastest links after tensor parallel's), and `data` leaves `cp` out. The degrees are
+With ep > 1 or cp > 1 the fsdp dimension is factored into `fsdp_out x ep x cp` (the degrees
+above 1): neighbouring fsdp ranks share a sequence (attention's K/V traffic takes the fastest
+links after tensor parallel's), the next ones form an expert-parallel group; the `fsdp` view is
+those flattened, `data` leaves `cp` out, `efsdp` leaves `ep` out. Both together take disjoint
+factors (cp x ep divides fsdp): an expert-parallel group then holds the same chunk positions of
+different batches. Its all-to-all only moves tokens, which the MoE layers treat one by one, so
+any grouping is exact; disjoint factors keep each view one set of mesh dimensions. The degrees are
 plain integers: everything except `build_mesh` runs without torch (in the `fw` process, before
 launch).
 """
@@ -94,14 +97,8 @@ class ParallelDims:
         from fsdp (-1: all of it)."""
         found = fit_degrees({k: degrees.get(k, 1) for k in ORDER}, world_size)
         ep = borrowed("ep", "expert", int(degrees.get("ep", 1)), found["fsdp"])
-        cp = borrowed("cp", "context", int(degrees.get("cp", 1)), found["fsdp"])
-        if ep > 1 and cp > 1:
-            raise ConfigError(
-                "strategy.cp",
-                cp,
-                f"context parallel does not compose with expert parallel (strategy.ep={ep}) yet",
-                [1],
-            )
+        # ep and cp take disjoint factors of fsdp (cp x ep divides it): see the module's docstring
+        cp = borrowed("cp", "context", int(degrees.get("cp", 1)), found["fsdp"] // ep, ep)
         return cls(**found, ep=ep, cp=cp)
 
     @property
@@ -136,35 +133,18 @@ class ParallelDims:
 
     def layout(self) -> tuple[list[tuple[str, int]], dict[str, tuple[str, ...]]]:
         """The mesh's dimensions [(name, size)] and its flattened views {name: dims}."""
-        if self.cp > 1:
-            dims = [
-                ("pp", self.pp),
-                ("dp", self.dp),
-                ("fsdp_out", self.fsdp // self.cp),
-                ("cp", self.cp),
-                ("tp", self.tp),
-            ]
-            views = {
-                "fsdp": ("fsdp_out", "cp"),
-                "data": ("dp", "fsdp_out"),
-                "tokens": ("dp", "fsdp_out", "cp"),
-            }
-            return dims, views
-        if self.ep == 1:
+        if self.ep == 1 and self.cp == 1:
             dims = [(n, getattr(self, n)) for n in ORDER]
             return dims, {"data": ("dp", "fsdp")}
-        dims = [
-            ("pp", self.pp),
-            ("dp", self.dp),
-            ("fsdp_out", self.fsdp // self.ep),
-            ("ep", self.ep),
-            ("tp", self.tp),
-        ]
-        views = {
-            "fsdp": ("fsdp_out", "ep"),
-            "data": ("dp", "fsdp_out", "ep"),
-            "efsdp": ("dp", "fsdp_out"),
-        }
+        inner = [(n, getattr(self, n)) for n in ("ep", "cp") if getattr(self, n) > 1]
+        outer = self.fsdp // (self.ep * self.cp)
+        dims = [("pp", self.pp), ("dp", self.dp), ("fsdp_out", outer), *inner, ("tp", self.tp)]
+        fsdp = ("fsdp_out", *(n for n, _ in inner))
+        views = {"fsdp": fsdp, "data": ("dp", *(n for n in fsdp if n != "cp"))}
+        if self.cp > 1:
+            views["tokens"] = ("dp", *fsdp)
+        if self.ep > 1:
+            views["efsdp"] = ("dp", *(n for n in fsdp if n != "ep"))
         return dims, views
 
     def build_mesh(self, device_type: str) -> JobMesh:
@@ -182,17 +162,19 @@ class ParallelDims:
         return " x ".join(shown) or "one process"
 
 
-def borrowed(key: str, what: str, degree: int, fsdp: int) -> int:
-    """A degree that borrows its ranks from fsdp (-1: all of them), checked to divide it."""
+def borrowed(key: str, what: str, degree: int, fsdp: int, ep: int = 1) -> int:
+    """A degree that borrows its ranks from fsdp (-1: all of them), checked to divide it;
+    `fsdp` is what is left of it (after expert parallel's `ep`, for cp)."""
     if degree == -1:
         return fsdp
     if degree < 1:
         raise ConfigError(f"strategy.{key}", degree, "must be at least 1, or -1 for all of fsdp")
     if fsdp % degree:
+        left = f"fsdp / ep = {fsdp} left after strategy.ep={ep}" if ep > 1 else str(fsdp)
         raise ConfigError(
             f"strategy.{key}",
             degree,
-            f"{what} parallel borrows its ranks from the fsdp degree ({fsdp}), which it must "
+            f"{what} parallel borrows its ranks from the fsdp degree ({left}), which it must "
             "divide",
             [d for d in range(1, fsdp + 1) if fsdp % d == 0],
             hint=f"Raise strategy.fsdp (e.g. strategy.fsdp=-1), or lower strategy.{key}.",
