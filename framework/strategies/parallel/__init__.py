@@ -163,16 +163,12 @@ def validate(cfg: Config, world: World, job: Any) -> None:
 
 
 def context_parallel(cfg: Config, dims: ParallelDims, job: Any) -> None:
-    """cp > 1: no pipeline yet, sequence lengths that split into 2 x cp chunks, attention that
-    splits (framework.nn.context)."""
+    """cp > 1: sequence lengths that split into 2 x cp chunks, attention that splits
+    (framework.nn.context)."""
     from framework.config.validate import import_target
     from framework.nn import context
     from framework.strategies.parallel.checks import model_of
 
-    if dims.pp > 1:
-        raise ConfigError(
-            "strategy.cp", dims.cp, "context parallel does not compose with a pipeline yet", [1]
-        )
     task_class = import_target("task._target_", job.task._target_)
     context.check_lengths(task_class, dict(job.task.get("model", {})), dims.cp)
     context.check_model(model_of(job), dims.cp, cfg.cp_mode, dims.tp)

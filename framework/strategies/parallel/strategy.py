@@ -191,18 +191,19 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             with self.loss_context(), context.running(self.context):
                 args = self.sequence_chunks(args)
                 return plain(super().training_step(*args, **kwargs))
-        batch, batch_idx = args[0], args[1]
+        batch, batch_idx = self.sequence_chunks(args)[:2]
         task = self.lightning_module
         trainer = task.trainer
         trace = self.cfg.trace and trainer.global_step == self.cfg.trace_step
         stepping = not trainer.fit_loop.epoch_loop._should_accumulate()
-        loss = self.pipeline.training_step(
-            batch,
-            batch_idx,
-            self.precision_plugin.train_step_context,
-            trace,
-            self.ties if stepping else None,
-        )
+        with context.running(self.context):  # the schedule runs forward and backward
+            loss = self.pipeline.training_step(
+                batch,
+                batch_idx,
+                self.precision_plugin.train_step_context,
+                trace,
+                self.ties if stepping else None,
+            )
         if trace or trainer._logger_connector.should_update_logs:  # a gather: not every step
             self.log_pipeline(task, trace)
         task.log("train/loss", loss, prog_bar=True, sync_dist=True)
@@ -213,7 +214,9 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             with self.loss_context(), context.running(self.context):
                 args = self.sequence_chunks(args)
                 return plain(super().validation_step(*args, **kwargs))
-        loss = self.pipeline.validation_step(args[0], self.precision_plugin.val_step_context)
+        with context.running(self.context):
+            batch = self.sequence_chunks(args)[0]
+            loss = self.pipeline.validation_step(batch, self.precision_plugin.val_step_context)
         self.lightning_module.log("val/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
