@@ -421,6 +421,27 @@ class ExpertGradNorms(pl.Callback):
                 json.dump(norms, fh)
 
 
+class StepGrads(pl.Callback):
+    """Saves the whole gradient of every parameter whose name contains `match` at step 1, just
+    before the optimizer step (after the strategy's gradient work), to
+    <run dir>/grads-rank{r}.pt: each rank the parameters it holds (its stage's, under a
+    pipeline)."""
+
+    def __init__(self, match: str = ".attn.") -> None:
+        self.match = match
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step != 1:
+            return
+        grads = {}
+        for name, p in pl_module.named_parameters():
+            if self.match in name and p.grad is not None:
+                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                grads[name] = grad.detach().cpu()
+        out = os.path.join(trainer.default_root_dir, f"grads-rank{trainer.global_rank}.pt")
+        torch.save(grads, out)
+
+
 class HangingDigitsTask(DigitsTask):
     """Rank `hang_rank` blocks at `hang_step` (the others then wait in the next collective);
     every rank writes its pid to `out/pid-rank{r}` and the restart counters it sees to
