@@ -170,14 +170,18 @@ def input_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def sequence_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+def sequence_plan(
+    task: nn.Module, plan: dict[str, str], whole: tuple[str, ...] | list[str] = ()
+) -> dict[str, str]:
     """The tensor-parallel `plan` ({module: framework style}) of the task's transformers models
     made sequence parallel: the residual stream between decoder layers is split over the
     sequence. The first layer keeps its positions of the hidden states; each layer's norms run on
     them; its attention and MLP gather them (all-gather) and give them back split (the row-split
     linear reduce-scatters instead of all-reducing); the final norm runs on them and the head
     gathers them. Positions, rotary embeddings and masks are made from the whole sequence, as
-    before the layers. A ConfigError names a module this does not cover."""
+    before the layers. A module of a layer that every tensor-parallel rank runs whole (`whole`:
+    the MoE blocks whose experts ep splits) runs on the whole sequence, gathered, and hands on
+    this rank's positions of its output. A ConfigError names a module this does not cover."""
     out = dict(plan)
     for path, model in models(task):
         base = getattr(model, "base_model", model)
@@ -186,7 +190,11 @@ def sequence_plan(task: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         out[layers[0][0]] = "split_sequence_input"
         for name, layer in layers:
             for child_name, child in layer.named_children():
-                out.update(_in_layer(f"{name}.{child_name}", child, plan))
+                full = f"{name}.{child_name}"
+                if full in whole:
+                    out[full] = "gather_sequence_whole"
+                    continue
+                out.update(_in_layer(full, child, plan, task))
         in_base = [f"{base_path}.{n}" if base_path else n for n, _ in base.named_children()]
         for name in in_base:
             module = task.get_submodule(name)
@@ -221,7 +229,7 @@ def _decoder_layers(model: nn.Module, base: nn.Module, base_path: str):
     return layers
 
 
-def _in_layer(name: str, child: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+def _in_layer(name: str, child: nn.Module, plan: dict[str, str], task: nn.Module):
     """The sequence-parallel styles of one child of a decoder layer and of its split modules."""
     inside = {k: v for k, v in plan.items() if k.startswith(f"{name}.")}
     if name in plan:
@@ -229,13 +237,27 @@ def _in_layer(name: str, child: nn.Module, plan: dict[str, str]) -> dict[str, st
     if inside:
         for k, v in inside.items():
             if v not in IN_LAYER:
-                refuse_sequence(k, f"has the style {v}, which has no sequence-parallel form here")
+                given = _given_style(task, k)
+                refuse_sequence(
+                    k,
+                    f"has the style '{given}' in its plan (the framework's {v}), which has no "
+                    "sequence-parallel form inside a decoder layer (only colwise, rowwise and "
+                    "replicated_with_grad_allreduce have one)",
+                )
         return {name: "gather_sequence_input", **{k: IN_LAYER[v] for k, v in inside.items()}}
     if _is_norm(child):
         return {name: "sequence"}
     if _has_weights(child):
         refuse_sequence(name, "holds weights that its plan does not split")
     return {}
+
+
+def _given_style(task: nn.Module, name: str) -> str:
+    """The style the task's transformers plans give module `name` (as written there)."""
+    from framework.nn.keys import matches
+
+    found = [style for key, style in plan_patterns(task).items() if matches(key, name)]
+    return found[-1] if found else "?"
 
 
 def _has_weights(module: nn.Module, recurse: bool = True) -> bool:

@@ -121,6 +121,7 @@ def check_loss(path: str, model: nn.Module, pp: int) -> None:
             f"under a pipeline (strategy.pp={pp}) the last stage computes the loss from the "
             "hidden states alone and would leave it out",
             ["false"],
+            near="",
             hint="Set output_router_logits=false (or router_aux_loss_coef=0) for pipeline "
             "training, or use pp=1.",
         )

@@ -28,6 +28,7 @@ STYLES = (
     "replicate_input",
     "rowwise_from_replicated",
     "replicated_grad_sum",
+    "gather_sequence_whole",
 )
 
 
@@ -50,12 +51,16 @@ def style(name: str) -> Any:
     rather than once per linear. rowwise_from_replicated: rowwise for a whole input, which each
     rank slices itself. replicated_grad_sum: the weights stay whole and run on this rank's part
     of an activation split over tp (a per-head norm after a column split); their gradients are
-    summed over the ranks.
+    summed over the ranks. gather_sequence_whole: all-gather the positions of the module's
+    first input into a plain whole tensor, run the module on it as every tp rank does, and keep
+    this rank's positions of its output (whose gradient backward all-gathers, so each rank
+    computes the whole module's gradients: a MoE block whose experts ep splits).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
@@ -86,6 +91,14 @@ def style(name: str) -> Any:
         "rowwise_scatter_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
         "colwise_gather_from_sequence": lambda: ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Replicate()
+        ),
+        "gather_sequence_whole": lambda: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
         ),
     }
     own = _own_styles()
@@ -243,7 +256,9 @@ def hf_plan(
                     plan[name] = found
     if loss_parallel:
         plan = hf.loss_plan(model, plan)
-    return hf.sequence_plan(model, plan) if sequence_parallel else hf.input_plan(model, plan)
+    if sequence_parallel:  # the MoE blocks ep splits run whole on every tp rank
+        return hf.sequence_plan(model, plan, [p.rstrip(".") for p in whole])
+    return hf.input_plan(model, plan)
 
 
 def _plan_of(module: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
