@@ -114,7 +114,7 @@ class Watchdog(threading.Thread):
         since: float | None = None  # armed (first beat seen), or last seen busy
         while not self._halt.wait(period):
             now = time.time()
-            if any(self.directory.glob("busy-rank*")):
+            if self._busy():
                 since = now
                 continue
             beats = {r: self._beat(r) for r in range(self.world_size)}
@@ -132,6 +132,14 @@ class Watchdog(threading.Thread):
         except FileNotFoundError:
             return None
 
+    def _busy(self) -> bool:
+        """Whether a rank saves or loads a checkpoint (or has ended training)."""
+        return any(self.directory.glob("busy-rank*"))
+
+    def _stack_files(self) -> list[Path]:
+        """The ranks' stack dumps, named by global rank."""
+        return sorted(self.directory.glob("stacks-rank*.txt"))
+
     def _fire(self, stale: dict[int, float]) -> None:
         pids = self.workers()
         if STACK_SIGNAL is not None:
@@ -141,7 +149,7 @@ class Watchdog(threading.Thread):
             time.sleep(2.0)  # the dumps are written by each worker's faulthandler
         target = self.run_dir / "stacks" / time.strftime("%Y-%m-%d_%H-%M-%S")
         target.mkdir(parents=True, exist_ok=True)
-        for source in self.directory.glob("stacks-rank*.txt"):  # by global rank
+        for source in self._stack_files():
             shutil.copyfile(source, target / source.name.removeprefix("stacks-"))
         slow = ", ".join(f"rank {r}: {s:.0f} s" for r, s in sorted(stale.items()))
         self.fired = (
