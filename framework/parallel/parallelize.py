@@ -5,7 +5,8 @@
 3. expert parallel on the `ep` view (ep > 1): each rank keeps its share of every MoE layer's
    experts (framework/parallel/experts.py); context parallel on the `cp` view (cp > 1): the
    attention modules get the plan by which they reach the other chunks of their sequences
-   (framework/nn/context.py; no parameter changes);
+   (framework/nn/context.py; transformers models: framework/nn/hf_context.py; no parameter
+   changes);
 4. activation checkpointing and compile, per block;
 5. FSDP2 over the data views (dp x fsdp > 1): shard over `fsdp`, replicate over `dp` (hybrid
    when both are above 1), with the pipeline stages as roots under a pipeline; the experts of
@@ -26,6 +27,7 @@ from torch import nn
 
 from framework.nn import pipeline
 from framework.nn.context import apply_context_parallel
+from framework.nn.hf_context import attach as attach_transformers
 from framework.nn.plan import apply_tensor_parallel
 from framework.nn.transforms import ModelTransforms
 from framework.parallel.dims import JobMesh, ParallelDims
@@ -83,7 +85,8 @@ def parallelize(
         )
     experts = apply_expert_parallel(task, mesh["ep"]) if dims.ep > 1 else set()
     if dims.cp > 1:
-        apply_context_parallel(task, mesh["cp"].get_group(), cp_mode)
+        plan = apply_context_parallel(task, mesh["cp"].get_group(), cp_mode)
+        attach_transformers(task, plan)  # their attention, positions and labels follow it
     transforms.apply(task)
     stages = {s: pipeline.Stage(task, cut.layers(s)) for s in cut.mine} if cut else {}
     # the ranks holding the same experts shard them; with one such rank too when a mixed

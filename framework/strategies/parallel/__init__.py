@@ -166,12 +166,16 @@ def context_parallel(cfg: Config, dims: ParallelDims, job: Any) -> None:
     """cp > 1: sequence lengths that split into 2 x cp chunks, attention that splits
     (framework.nn.context)."""
     from framework.config.validate import import_target
-    from framework.nn import context
+    from framework.nn import context, hf, hf_context
     from framework.strategies.parallel.checks import model_of
 
     task_class = import_target("task._target_", job.task._target_)
     context.check_lengths(task_class, dict(job.task.get("model", {})), dims.cp)
-    context.check_model(model_of(job), dims.cp, cfg.cp_mode, dims.tp)
+    model = model_of(job)
+    if hf.models(model):  # transformers models: attention through their registry
+        hf_context.check(model, dims.cp, cfg.cp_mode, dims.tp, dims.pp)
+    else:
+        context.check_model(model, dims.cp, cfg.cp_mode, dims.tp)
 
 
 def warn_unused(cfg: Config, dims: ParallelDims) -> None:
