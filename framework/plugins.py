@@ -14,7 +14,8 @@ holds the typed configs and the strategy's answers, and hands it on.
 
 Besides its required hooks a strategy module may define the optional members of
 `StrategyCapabilities` (what `fw check`, `fw plan`, validation and the run's messages ask of a
-strategy); `capability(module, name)` gives the module's own or the default written there. Code
+strategy), and a launcher module those of `LauncherCapabilities`; `capability(module, name)`
+gives the module's own or the default written there. Code
 outside a plugin's package asks these, never the plugin's `kind`. The objects plugins build have
 optional hooks too, written down as `CheckpointUploader` and `SeparateWriter` (loggers) and
 `DataModuleHooks` (the user's data module).
@@ -141,9 +142,26 @@ class StrategyCapabilities(Protocol):
         return 2 * grads
 
 
-def capability(module: ModuleType, name: str) -> Callable[..., Any]:
-    """A strategy module's optional member `name`, or its default in `StrategyCapabilities`."""
-    default = getattr(StrategyCapabilities, name)  # an unknown name fails here, not later
+class LauncherCapabilities(Protocol):
+    """Optional members of a launcher plugin module, each with its default here; validation
+    calls them through `capability(module, name, "launcher")`."""
+
+    @staticmethod
+    def checks_devices(cfg: Any) -> bool:
+        """Whether the launcher's `validate` checks `trainer.devices` against the machines the
+        ranks run on (a Ray cluster's resources), so validation does not hold the job to the
+        devices of the machine `fw` runs on. Default: False, the ranks run on this machine (or,
+        for several nodes, on machines like it)."""
+        return False
+
+
+CAPABILITIES = {"strategy": StrategyCapabilities, "launcher": LauncherCapabilities}
+
+
+def capability(module: ModuleType, name: str, family: str = "strategy") -> Callable[..., Any]:
+    """A plugin module's optional member `name`, or its default in its family's capabilities
+    (`StrategyCapabilities`, `LauncherCapabilities`)."""
+    default = getattr(CAPABILITIES[family], name)  # an unknown name fails here, not later
     return getattr(module, name, default)
 
 

@@ -21,7 +21,7 @@ from framework.config.batches import check_batches
 from framework.config.dry_build import dry_build
 from framework.config.fields import check_fields
 from framework.errors import ConfigError
-from framework.plugins import JobView, load_plugin, typed_config
+from framework.plugins import JobView, capability, load_plugin, typed_config
 from framework.world import World, cuda_device_count
 
 NAMED_FAMILIES = ("logger", "callbacks")  # groups whose entries are `name: {kind or _target_}`
@@ -33,7 +33,13 @@ def validate(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     validates it for the machines it names, not this one: `auto` means CUDA, and neither the
     devices present nor the launcher's tools here are asked for (the plan has no launcher)."""
     check_fields(cfg, "")
-    world = check_world(cfg) if here else target_world(cfg)
+    launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
+    if here:  # this machine's devices, unless the launcher checks those its ranks run on
+        launcher_cfg = typed_config(launcher, cfg.launcher, "launcher")
+        elsewhere = capability(launcher, "checks_devices", "launcher")(launcher_cfg)
+        world = check_world(cfg, elsewhere)
+    else:
+        world = target_world(cfg)
     check_task(cfg.task)
     lr_scaling.check(cfg.trainer)
     model, data = dry_build(cfg.task)
@@ -45,9 +51,7 @@ def validate(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     if not plan.saves_async:
         check_foreground_saves(cfg, plan.checkpoint_format)
     check_log_model(cfg)
-    launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     if here:
-        launcher_cfg = typed_config(launcher, cfg.launcher, "launcher")
         launcher.validate(launcher_cfg, world)
         plan = dataclasses.replace(plan, launcher_plugin=launcher, launcher=launcher_cfg)
     for family in NAMED_FAMILIES:
@@ -101,12 +105,16 @@ def check_log_model(cfg: DictConfig) -> None:
             )
 
 
-def check_world(cfg: DictConfig) -> World:
+def check_world(cfg: DictConfig, elsewhere: bool = False) -> World:
+    """The job's process layout; unless its ranks run `elsewhere` (a launcher that checks the
+    devices there itself), the devices of this machine must hold `trainer.devices`."""
     trainer = cfg.trainer
     for key in ("devices", "num_nodes"):
         if trainer[key] < 1:
             raise ConfigError(f"trainer.{key}", trainer[key], "must be at least 1")
     world = World.planned(trainer)
+    if elsewhere:
+        return world
     if world.is_cuda:
         available = cuda_device_count()
         if trainer.accelerator in ("gpu", "cuda") and available == 0:
