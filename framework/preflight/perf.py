@@ -12,9 +12,9 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   x pp) of it (tensor parallel splits every matmul, a pipeline the layers).
 - communication: the bytes per collective the plan lists (plan.traffic: the plugin's
   data-parallel bytes, 4bsh per layer for tensor parallel, 2bsh per stage boundary, the
-  experts' all-to-all), each over the link its group crosses (tensor parallel ranks are
-  adjacent and stay within a node; a data-parallel group crosses nodes once a pipeline
-  position spans more than one node), plus a latency per collective. Data-parallel traffic
+  experts' all-to-all, context parallel's K/V), each over the link its group crosses
+  (tensor parallel ranks are adjacent and stay within a node; a data-parallel group crosses
+  nodes once a pipeline position spans more than one node), plus a latency per collective. Data-parallel traffic
   (DDP's bucketed all-reduce, FSDP's and ZeRO's prefetched gathers) hides behind compute except
   its last bucket; tensor parallel's all-reduces and the experts' all-to-all block.
 - bubble: the schedule's idle share, compute x (p - 1) / (v x m) for p stages, m microbatches
@@ -242,4 +242,9 @@ def exposed_comm(layout: dict[str, Any], device: Device, compute_s: float) -> fl
     pipe = 0.0
     if p2p:
         pipe = p2p / (link.gb_per_s * 1e9) + layout["pipeline_sends"] * link.latency_s
+    # context parallel's K/V: the bytes that leave the rank (plan.context_bytes), blocking
+    kv = traffic.get("context", 0.0)
+    if kv:
+        link = link_of("context", layout, device)
+        blocking += kv / (link.gb_per_s * 1e9) + layout["context_collectives"] * link.latency_s
     return max(0.0, data_s - hidden) + blocking + pipe
