@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.digits.task import DigitsTask
+from recipes.gpt.data import TextDataModule
 
 
 class FailingDigitsTask(DigitsTask):
@@ -440,6 +441,30 @@ class StepGrads(pl.Callback):
                 grads[name] = grad.detach().cpu()
         out = os.path.join(trainer.default_root_dir, f"grads-rank{trainer.global_rank}.pt")
         torch.save(grads, out)
+
+
+class PromptMaskedText(TextDataModule):
+    """The gpt recipe's data with the first quarter of every target block ignored (-100), like
+    a prompt not trained on: under context parallel the chunks then hold different numbers of
+    targets (cp = 2: rank 0 half as many as rank 1), every sequence the same number."""
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        self.train_set, self.val_set = PromptMasked(self.train_set), PromptMasked(self.val_set)
+
+
+class PromptMasked(torch.utils.data.Dataset):
+    def __init__(self, blocks) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int):
+        x, y = self.blocks[i]
+        y = y.clone()
+        y[: len(y) // 4] = -100
+        return x, y
 
 
 class HangingDigitsTask(DigitsTask):
