@@ -46,13 +46,27 @@ def hook(callback, name: str, *args) -> None:
         fn(*args)
 
 
-def trainer(world_size: int = 1, step: int = 0, logs: bool = False) -> SimpleNamespace:
+class Logger:
+    """A logger that records each `log_metrics` call: (step, metrics)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+
+def trainer(
+    world_size: int = 1, step: int = 0, logs: bool = False, logger: Logger | None = None
+) -> SimpleNamespace:
     return SimpleNamespace(
         world_size=world_size,
         global_step=step,
         is_global_zero=True,
         strategy=SimpleNamespace(root_device=torch.device("cpu")),
         _logger_connector=SimpleNamespace(should_update_logs=logs),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=step)),
+        loggers=[logger] if logger is not None else [],
         train_dataloader=None,
     )
 
@@ -75,20 +89,24 @@ def test_throughput_logs_a_window_at_the_step_lightning_writes_with_its_own_figu
     monkeypatch.setattr(_throughput, "time", clock)
     cfg = SimpleNamespace(window=2, count_flops=False, warn_data_wait=0.0)
     callback, module = _throughput.Throughput(cfg, data_ranks=2, configured_peak=None), Module()
+    logger = Logger()
     batch = (torch.zeros(8, 3), torch.zeros(8))
     callback.on_train_start(trainer(), module)
     for step in range(1, 4):  # the window closes at step 2; Lightning writes logs at step 3
-        t = trainer(step=step, logs=step == 3)
+        t = trainer(step=step, logs=step == 3, logger=logger)
         reads = clock.reads
         callback.on_train_batch_start(t, module, batch, step)
         callback.on_train_batch_end(t, module, None, batch, step)
         assert clock.reads - reads == 2, "one read at the batch's start, one at its end"
-        assert (module.logged != {}) == (step == 3), f"logged at step {step}"
+        assert (logger.calls != []) == (step == 3), f"written at step {step}"
+    assert module.logged == {}, "no per-figure pl_module.log: written to the loggers directly"
+    ((at, written),) = logger.calls
+    assert at == 3, "at the step Lightning writes the other metrics of this batch"
     # the window: batches 1-2, started at read 1, closed at read 4 (3 ms); waited read 2 -> 3
-    assert module.logged["perf/steps_per_sec"] == pytest.approx(2 / 0.003)
-    assert module.logged["perf/samples_per_sec"] == pytest.approx(2 * 8 * 2 / 0.003)
-    assert module.logged["perf/data_wait_ms"] == pytest.approx(1.0)
-    assert "perf/memory_peak_gib" in module.logged and "perf/tokens_per_sec" not in module.logged
+    assert written["perf/steps_per_sec"] == pytest.approx(2 / 0.003)
+    assert written["perf/samples_per_sec"] == pytest.approx(2 * 8 * 2 / 0.003)
+    assert written["perf/data_wait_ms"] == pytest.approx(1.0)
+    assert "perf/memory_peak_gib" in written and "perf/tokens_per_sec" not in written
 
 
 @pytest.mark.parametrize(
