@@ -36,12 +36,22 @@ CASES = {
 }
 
 
+def in_process(args: list[str], cwd, monkeypatch, capsys) -> tuple[int, str]:
+    """`fw ARGS` run in this process (the `fw` start-up is paid once, by the test below): its
+    exit code and what it printed on stderr."""
+    from framework.cli import main
+
+    monkeypatch.chdir(cwd)
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_bad_input_exits_2_with_one_paragraph(case, workdir):
+def test_bad_input_exits_2_with_one_paragraph(case, workdir, monkeypatch, capsys):
     args, expected = CASES[case]
-    result = fw("train", *args, f"run.dir={workdir}/run", cwd=workdir)
-    assert result.returncode == 2, result.stderr
-    err = result.stderr.strip()
+    code, err = in_process(["train", *args, f"run.dir={workdir}/run"], workdir, monkeypatch, capsys)
+    assert code == 2, err
+    err = err.strip()
     assert "Traceback" not in err
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
     for text in expected:
@@ -49,30 +59,41 @@ def test_bad_input_exits_2_with_one_paragraph(case, workdir):
     assert tree(workdir) == set(), "nothing may be created on a config error"
 
 
-def test_unwritable_run_dir(workdir):
-    # /proc refuses new directories even to root, unlike a chmod-ed folder.
-    result = fw("train", "run.dir=/proc/fw-test-run", cwd=workdir)
+def test_the_fw_process_exits_2_with_the_paragraph_alone(workdir):
+    """The same through the `fw` console script: the process's exit code and its stderr."""
+    args, expected = CASES["heads not dividing width"]
+    result = fw("train", *args, f"run.dir={workdir}/run", cwd=workdir)
     assert result.returncode == 2, result.stderr
-    assert "run.dir=/proc/fw-test-run" in result.stderr and "not writable" in result.stderr
+    err = result.stderr.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert all(text in err for text in expected)
+    assert tree(workdir) == set(), "nothing may be created on a config error"
+
+
+def test_unwritable_run_dir(workdir, monkeypatch, capsys):
+    # /proc refuses new directories even to root, unlike a chmod-ed folder.
+    code, err = in_process(["train", "run.dir=/proc/fw-test-run"], workdir, monkeypatch, capsys)
+    assert code == 2, err
+    assert "run.dir=/proc/fw-test-run" in err and "not writable" in err
     assert tree(workdir) == set()
 
 
-def test_run_dir_under_a_file_is_refused(workdir):
+def test_run_dir_under_a_file_is_refused(workdir, monkeypatch, capsys):
     blocker = workdir / "file"
     blocker.write_text("keep me")
-    result = fw("train", f"run.dir={blocker}/run", cwd=workdir)
-    assert (
-        result.returncode == 2 and "run.dir" in result.stderr and "Traceback" not in result.stderr
-    )
+    code, err = in_process(["train", f"run.dir={blocker}/run"], workdir, monkeypatch, capsys)
+    assert code == 2 and "run.dir" in err and "Traceback" not in err
     assert blocker.read_text() == "keep me"
 
 
-def test_existing_run_is_not_overwritten_with_resume_never(workdir):
+def test_existing_run_is_not_overwritten_with_resume_never(workdir, monkeypatch, capsys):
     run = workdir / "run"
     run.mkdir()
     (run / "config.yaml").write_text("seed: 7\n")
-    result = fw("train", f"run.dir={run}", "resume=never", cwd=workdir)
-    assert result.returncode == 2 and "already holds a run" in result.stderr
+    code, err = in_process(
+        ["train", f"run.dir={run}", "resume=never"], workdir, monkeypatch, capsys
+    )
+    assert code == 2 and "already holds a run" in err
     assert (run / "config.yaml").read_text() == "seed: 7\n"
 
 
