@@ -57,25 +57,25 @@ def check(task: nn.Module, cp: int, mode: str, tp: int = 1, pp: int = 1) -> None
     the sequence by context parallel."""
     for path, model in hf.models(task):
         if pp > 1:  # its stages make positions 0..T-1 of what they get (nn/hf_pipeline.py)
-            refuse(path or type(model).__name__, "its pipeline stages do not follow the split")
+            refuse(cp, path or type(model).__name__, "its pipeline stages do not follow the split")
         name = path or type(model).__name__
         config = model.config.get_text_config()
         cls = type(model)
         if not getattr(cls, "_supports_attention_backend", False):
-            refuse(name, f"{cls.__name__}'s attention does not go through transformers' "
+            refuse(cp, name, f"{cls.__name__}'s attention does not go through transformers' "
                    "attention functions, so it cannot be replaced by one that splits it")  # fmt: skip
         if "position_ids" not in inspect.signature(cls.forward).parameters:
-            refuse(name, f"{cls.__name__}.forward takes no position_ids to follow the split")
+            refuse(cp, name, f"{cls.__name__}.forward takes no position_ids to follow the split")
         if not (cls.__name__.endswith("ForCausalLM") or model is getattr(model, "base_model", 0)):
-            refuse(name, f"{cls.__name__} is not a causal LM: its head or loss would see only "
+            refuse(cp, name, f"{cls.__name__} is not a causal LM: its head or loss would see only "
                    "this rank's chunks of each sequence")  # fmt: skip
         for key in ("sliding_window", "attn_logit_softcapping", "attention_dropout", "attn_pdrop"):
             if in_force(config, key):
-                refuse(f"{name}.config.{key}", f"{key}={getattr(config, key)} has no "
+                refuse(cp, f"{name}.config.{key}", f"{key}={getattr(config, key)} has no "
                        "context-parallel form here (full causal attention only)",
                        hint=f"Set the model's {key} to null (0 for dropout).")  # fmt: skip
         if not attention_modules(model):
-            refuse(name, f"{cls.__name__} has no attention module to split")
+            refuse(cp, name, f"{cls.__name__} has no attention module to split")
         heads = int(getattr(config, "num_attention_heads", 0)) // tp
         if mode == "ulysses" and heads % cp:
             raise ConfigError(
@@ -99,11 +99,12 @@ def in_force(config: Any, key: str) -> bool:
     return bool(value)
 
 
-def refuse(where: str, problem: str, hint: str | None = None):
+def refuse(cp: int, where: str, problem: str, hint: str | None = None):
     raise ConfigError(
         "strategy.cp",
-        where,
-        f"context parallel cannot split this transformers model: {problem}",
+        cp,
+        f"context parallel cannot split the attention of the transformers model at {where}: "
+        f"{problem}",
         [1],
         hint=hint or "Use strategy.cp=1 for this model.",
         near="",

@@ -1,0 +1,72 @@
+"""Context parallel for transformers models (framework/nn/hf_context.py): a plain LightningModule
+holding a Llama (grouped-query attention, rotary positions, transformers' own shifted loss) with
+each sequence split over 2 processes reproduces one process at the same global batch, by ring
+and by ulysses, with no change to the task; a model whose attention cannot be split is refused
+before launch, naming the setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import QUIET, fw, losses, refused
+from tests.hf_tasks import PlainLlama
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+PLAIN = [
+    "task=digits",
+    "~task.model.dropout",
+    "task.model.hidden=64",
+    "task.data._target_=tests.hf_tasks.RandomTokens",
+    "~task.data.val_fraction",
+    "task.data.batch_size=8",
+    "trainer.max_steps=10",
+    "trainer.log_every_n_steps=1",
+    "trainer.deterministic=true",
+    "logger=[csv]",
+    "callbacks=none",
+    *QUIET,
+]
+CP2 = ["strategy=fsdp", "strategy.cp=2", "trainer.devices=2"]
+
+
+class SlidingMistral(PlainLlama):
+    """A Mistral whose attention looks back 8 positions only (a sliding window)."""
+
+    family = ("MistralConfig", "MistralForCausalLM")
+    extra = {"sliding_window": 8}
+
+
+class DroppingLlama(PlainLlama):
+    """A Llama that drops attention weights in training."""
+
+    extra = {"attention_dropout": 0.1}
+
+
+def train(*args: str, cwd, family: str = "tests.hf_tasks.PlainLlama") -> dict[int, float]:
+    result = fw("train", f"task._target_={family}", *PLAIN, *args, "run.dir=run", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(cwd / "run")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Losses of one process, batch 8 (the cp ranks of a group read the same 8 sequences)."""
+    return train(cwd=tmp_path_factory.mktemp("hf_cp_one"))
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_llama_split_over_the_sequence_trains_as_one_process(one_process, mode, tmp_path):
+    got = train(*CP2, f"strategy.cp_mode={mode}", cwd=tmp_path)
+    assert sorted(got) == sorted(one_process) and len(got) == 10
+    assert all(abs(got[s] - one_process[s]) <= 1e-5 for s in got), (got, one_process)
+
+
+@pytest.mark.parametrize(
+    ("family", "says"),
+    [("SlidingMistral", "lm.config.sliding_window"), ("DroppingLlama", "attention_dropout")],
+)
+def test_attention_that_cannot_be_split_is_refused(family, says, tmp_path, monkeypatch, capsys):
+    task = f"task._target_=tests.distributed.test_hf_context.{family}"
+    line = refused([task, *PLAIN, *CP2], tmp_path, monkeypatch, capsys)
+    assert says in line and "strategy.cp" in line, line
