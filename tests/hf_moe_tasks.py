@@ -53,7 +53,8 @@ def mixtral_config(hidden: int = 64, experts: int = 4, vocab: int = 256, **extra
 class PlainMoE(pl.LightningModule):
     """A Lightning user's causal LM: a random-init transformers MoE model (`family` qwen3_moe or
     mixtral, seeded by the framework before it is built), transformers' own loss, AdamW.
-    `jitter`: Mixtral's router jitter noise (which expert parallel refuses)."""
+    `jitter`: Mixtral's router jitter noise (which expert parallel refuses); `router_logits`:
+    the routers' auxiliary loss added to the loss (which a pipeline refuses)."""
 
     def __init__(
         self,
@@ -64,16 +65,29 @@ class PlainMoE(pl.LightningModule):
         lr: float = 1e-3,
         norm_topk_prob: bool = True,
         jitter: float = 0.0,
+        router_logits: bool = False,
     ) -> None:
         super().__init__()
         from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
 
         self.lr = lr
         if family == "qwen3_moe":
-            config = qwen3_moe_config(hidden, experts, vocab, norm_topk_prob=norm_topk_prob)
+            config = qwen3_moe_config(
+                hidden,
+                experts,
+                vocab,
+                norm_topk_prob=norm_topk_prob,
+                output_router_logits=router_logits,
+            )
             self.lm = Qwen3MoeForCausalLM(config)
         elif family == "mixtral":
-            config = mixtral_config(hidden, experts, vocab, router_jitter_noise=jitter)
+            config = mixtral_config(
+                hidden,
+                experts,
+                vocab,
+                router_jitter_noise=jitter,
+                output_router_logits=router_logits,
+            )
             self.lm = MixtralForCausalLM(config)
         else:
             raise ValueError(f"family={family!r} is not one of qwen3_moe, mixtral")
@@ -89,10 +103,11 @@ class PlainMoE(pl.LightningModule):
 
 class RouterCounts(pl.Callback):
     """Per optimizer step, the tokens the model's own routers (transformers' TopKRouter modules,
-    kept by the expert-parallel swap) sent to each expert, summed over all ranks; rank 0 writes
-    them to `out`/router-counts.json (each token once: the ranks of a tensor-parallel group
-    route the same tokens). Read from the routers' outputs, independently of the framework's
-    own counts."""
+    kept by the expert-parallel swap) sent to each expert, per layer, summed over all ranks;
+    rank 0 writes them to `out`/router-counts.json (each token once: the ranks of a
+    tensor-parallel group route the same tokens; a pipeline rank counts its stage's layers).
+    Read from the routers' outputs, independently of the framework's own counts. Not for a
+    pipeline's first step: torch's stages infer their shapes with one forward more."""
 
     def __init__(self, out: str) -> None:
         self.out = out
@@ -100,11 +115,13 @@ class RouterCounts(pl.Callback):
         self.counts: torch.Tensor | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        routers = [m for m in pl_module.modules() if type(m).__name__.endswith("TopKRouter")]
-        experts = routers[0].num_experts
-        self.counts = torch.zeros(len(routers), experts, dtype=torch.long)
-        for i, router in enumerate(routers):
-            router.register_forward_hook(self.hook(i, experts))
+        config = pl_module.lm.config
+        experts = getattr(config, "num_experts", None) or config.num_local_experts
+        self.counts = torch.zeros(config.num_hidden_layers, experts, dtype=torch.long)
+        for name, router in pl_module.named_modules():
+            if type(router).__name__.endswith("TopKRouter"):
+                layer = int(name.split(".layers.")[1].split(".")[0])
+                router.register_forward_hook(self.hook(layer, experts))
 
     def hook(self, i: int, experts: int):
         def count(module, args, output) -> None:
@@ -120,10 +137,8 @@ class RouterCounts(pl.Callback):
         counts = self.counts.clone()
         if dist.is_initialized():
             dist.all_reduce(counts)
-            # tensor-parallel ranks route the same tokens: count each token once
-            counts //= (
-                trainer.world_size // trainer.strategy.distributed_sampler_kwargs["num_replicas"]
-            )
+            dims = getattr(trainer.strategy, "dims", None)
+            counts //= dims.tp if dims is not None else 1  # tp ranks: the same tokens
         self.steps.append(counts.tolist())
         self.counts.zero_()
 

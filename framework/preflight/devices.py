@@ -33,9 +33,9 @@ def placement_errors(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transfo
     from framework.preflight.fakes import fake_mode, fake_world
     from framework.preflight.simulate import (
         _quiet_logging,
+        before_parallelize,
         build_fake_task,
         fake_batch,
-        pipeline_cut,
         settings,
     )
 
@@ -44,9 +44,7 @@ def placement_errors(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transfo
     with fake_world(rank, dims.world_size), _quiet_logging(), meta_stands_for_cuda():
         task = build_fake_task(task_cfg, mode, trainer_cfg.precision)
         mesh = dims.build_mesh(TARGET.type)
-        cut = None
-        if dims.pp > 1:
-            cut, _ = pipeline_cut(task, cfg, dims, coords, fake_batch(mode, batch))
+        cut, _ = before_parallelize(task, cfg, dims, coords, fake_batch(mode, batch))
         tensor, fsdp = settings(task, cfg, dims, cut)
         parallelize(task, mesh, dims, tensor, fsdp, transforms, cut, TARGET)
         left = [f"{name} on {device}" for name, device in misplaced(task, TARGET)]

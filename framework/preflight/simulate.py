@@ -264,7 +264,6 @@ def parallel_rank(
     task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms, cuda: bool
 ) -> RankMemory:
     """A rank of the parallel strategy: the worker's own mesh, cut, plans and FSDP units."""
-    from framework.nn.hf_moe import swap_sparse_blocks
     from framework.parallel.parallelize import parallelize
 
     mode = fake_mode()
@@ -272,11 +271,9 @@ def parallel_rank(
     coords = dims.coordinates(rank)
     with fake_world(rank, dims.world_size), _quiet_logging():
         task = build_fake_task(task_cfg, mode, precision)
-        if dims.ep > 1:  # as the strategy does first: the cut and the plans see the swapped
-            swap_sparse_blocks(task, dims.ep)  # blocks (their experts split by ep, not tp)
         mesh = dims.build_mesh("cpu")
         batch = fake_batch(mode, batch)
-        cut, inputs = (None, {}) if dims.pp == 1 else pipeline_cut(task, cfg, dims, coords, batch)
+        cut, inputs = before_parallelize(task, cfg, dims, coords, batch)
         tensor, fsdp = settings(task, cfg, dims, cut)
         stages = parallelize(
             task, mesh, dims, tensor, fsdp, transforms, cut, torch.device("cpu"), cfg.cp_mode
@@ -298,6 +295,18 @@ def parallel_rank(
     if held is None:
         note = UNSIMULATED
     return RankMemory(rank, role, params, grads, states, (held or 0) * flight, temporaries, note)
+
+
+def before_parallelize(task, cfg, dims, coords, batch):
+    """What the strategy does to the built task before `parallelize`, in its order: the
+    transformers MoE blocks swapped for framework layers (ep > 1, its setup_environment: the
+    stages and the tensor plans then see the swapped blocks, whose experts ep splits), then the
+    pipeline cut (pp > 1). Returns (cut, each stage's input) as `pipeline_cut`, or (None, {})."""
+    from framework.nn.hf_moe import swap_sparse_blocks
+
+    if dims.ep > 1:
+        swap_sparse_blocks(task, dims.ep)
+    return (None, {}) if dims.pp == 1 else pipeline_cut(task, cfg, dims, coords, batch)
 
 
 def settings(task, cfg, dims, cut):

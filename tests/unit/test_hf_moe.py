@@ -139,18 +139,42 @@ def test_a_block_the_framework_cannot_apply_is_refused_before_launch(tmp_path, m
     assert "lm.model.layers.0.mlp (MixtralSparseMoeBlock)" in err and "jitter" in err, err
 
 
-def test_fw_check_simulates_the_swapped_layers(tmp_path, monkeypatch, capsys):
-    """fw check runs the same swap inside its fake tensors: the counts the swap adds are fake
-    too (a real one failed FSDP's move to the simulated device: exit 2, 'rank 0 would fail')."""
+def test_a_pipeline_refuses_a_moe_model_adding_its_routers_auxiliary_loss(
+    tmp_path, monkeypatch, capsys
+):
+    """Under pp > 1 the last stage computes the loss from hidden states: transformers' auxiliary
+    loss, made from every layer's router logits, would silently drop out of it."""
+    plain = [a for a in PLAIN if not a.startswith(("strategy=", "trainer.devices="))]
+    args = [*plain, "+task.model.family=qwen3_moe", "strategy=pipeline", "trainer.devices=2"]
+    err = refused([*args, "+task.model.router_logits=true"], tmp_path, monkeypatch, capsys)
+    assert "lm.config.output_router_logits=True" in err and "strategy.pp=2" in err, err
+    assert "Valid choices: false" in err, err
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "shown"),
+    [
+        ("mixtral", ["strategy=fsdp"], "fsdp=4 x ep=2, 4 processes"),
+        ("qwen3_moe", ["strategy=fsdp_tp"], "fsdp=2 x tp=2 x ep=2, 4 processes"),
+    ],
+    ids=["ep2xfsdp", "ep2xtp2"],
+)
+def test_fw_check_simulates_the_swapped_layers(
+    family, layout, shown, tmp_path, monkeypatch, capsys
+):
+    """fw check runs the same swap inside its fake tensors, before the tensor plans, as fw train
+    does: the counts the swap adds are fake too (a real one failed FSDP's move to the simulated
+    device: exit 2, 'rank 0 would fail'), and under ep x tp the experts are split by ep, not
+    refused as the model's tp plan styles them (moe_tp_experts)."""
     from framework.cli import main
 
     monkeypatch.chdir(tmp_path)
     plain = [a for a in PLAIN if not a.startswith(("strategy=", "trainer.devices="))]
-    args = [*plain, "+task.model.family=mixtral", "task.data.batch_size=2"]
-    code = main(["check", *args, "strategy=fsdp", "strategy.ep=2", "trainer.devices=4"])
+    args = [*plain, f"+task.model.family={family}", "task.data.batch_size=2"]
+    code = main(["check", *args, *layout, "strategy.ep=2", "trainer.devices=4"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "fsdp=4 x ep=2, 4 processes" in out, out
+    assert shown in out, out
 
 
 def test_a_block_computing_more_than_its_structure_shows_is_not_swapped(monkeypatch):
@@ -167,3 +191,49 @@ def test_a_block_computing_more_than_its_structure_shows_is_not_swapped(monkeypa
     assert len(swap_sparse_blocks(Holder(model), ep=2)) == 2
     assert torch.equal(torch.random.get_rng_state(), state), "no random state drawn"
     assert model.training and model.model.layers[0].mlp.gate.training, "modes restored"
+
+
+def test_sequence_parallel_runs_a_moe_block_ep_splits_whole_on_the_gathered_sequence():
+    """Under ep x tp with sequence parallel each MoE block takes the whole sequence, gathered,
+    and hands on this rank's positions; the rest of the layer is split as in a dense model."""
+    from framework.nn.plan import hf_plan
+
+    torch.manual_seed(0)
+    task = Holder(transformers.Qwen3MoeForCausalLM(qwen3_moe_config()))
+    blocks = [b.path for b in sparse_blocks(task, ep=2)]
+    plan = hf_plan(task, sequence_parallel=True, experts=blocks)
+    for i in (0, 1):
+        layer = f"lm.model.layers.{i}"
+        assert plan[f"{layer}.mlp"] == "gather_sequence_whole"
+        assert not [k for k in plan if k.startswith(f"{layer}.mlp.")], plan
+        assert plan[f"{layer}.self_attn"] == "gather_sequence_input"
+        assert plan[f"{layer}.self_attn.o_proj"] == "rowwise_scatter_sequence"
+        assert plan[f"{layer}.post_attention_layernorm"] == "sequence"
+    assert plan["lm.model.layers.0"] == "split_sequence_input"
+    swap_sparse_blocks(task, ep=2)  # in the workers: the swapped layers are found as such
+    assert hf_plan(task, sequence_parallel=True) == plan
+    with pytest.raises(ConfigError, match=r"lm.model.layers.0.mlp.experts.*'moe_tp_experts'"):
+        hf_plan(Holder(transformers.Qwen3MoeForCausalLM(qwen3_moe_config())), (), True)
+
+
+def test_sequence_parallel_names_the_module_and_the_style_it_has_no_form_for():
+    from framework.nn.plan import hf_plan
+
+    config = transformers.Phi3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    task = Holder(transformers.Phi3ForCausalLM(config))
+    with pytest.raises(ConfigError) as refusal:
+        hf_plan(task, sequence_parallel=True)
+    text = str(refusal.value)
+    assert text.startswith("strategy.sequence_parallel=True: "), text
+    named = "module lm.model.layers.0.self_attn.o_proj has the style 'rowwise_split_input'"
+    assert named in text and "(the framework's rowwise_from_replicated)" in text, text
