@@ -1,43 +1,108 @@
-"""Context parallel (`strategy.cp`): gpt_tiny with each sequence split over 2 processes
-reproduces one process (ring, ulysses, and allgather under cp=2 x fsdp=2 on 4); a cp=2
-checkpoint resumes on one process; bad settings are refused before launch."""
+"""Context parallel (`strategy.cp`): gpt_tiny and moe_gpt_tiny with each sequence split over 2
+processes reproduce one process, per-step losses within 1e-5 and the attention weights'
+gradients at step 1 within 1e-6, in every composition: ulysses (cp=2), allgather under cp=2 x
+fsdp=2, ring under pp=2 x cp=2 and under cp=2 x ep=2 (moe_gpt, 4 processes); with a quarter of
+the targets ignored (ulysses, pp x cp: the chunks hold different counts, the loss is still the
+mean over the sequences' tokens); a kill -9 under cp=2 x fsdp=2 resumes bitwise; a cp checkpoint
+moves to one process; bad settings are refused before launch."""
 
 from __future__ import annotations
 
 import shutil
-from types import SimpleNamespace
 
 import pytest
+import torch
 
-from tests.conftest import QUIET, assert_resumed, fw, losses, read_metrics, refused
+from tests.conftest import QUIET, assert_resumed, fw, losses, metric_rows, read_metrics, refused
 from tests.distributed.conftest import GPT
 
 pytestmark = pytest.mark.slow
 COMMON = [*QUIET, "trainer.deterministic=true", "trainer.log_every_n_steps=1", "logger=[csv]"]
 CP2 = ["strategy=fsdp", "strategy.cp=2"]
+GRADS = ["+callbacks.grads._target_=tests.tasks.StepGrads"]  # grads-rank{r}.pt at step 1
+TEN = "trainer.max_steps=10"
+MOE = [
+    "experiment=moe_gpt_tiny",
+    "task.scheduler.name=constant",
+    "trainer.val_check_interval=20",
+    TEN,
+]
+ONE = ["strategy=ddp", "trainer.devices=1"]
+# a quarter of each sequence's targets ignored: the cp ranks' chunks hold different counts
+MASKED = ["task.data._target_=tests.tasks.PromptMaskedText"]
+# name: (model and layout, the one-process run it reproduces (`one_process` of conftest, or a
+# run of this module), steps). Each composition once; the modes spread over them.
+RUNS = {
+    "ulysses": (
+        [
+            *GPT,
+            *MASKED,
+            *CP2,
+            "strategy.cp_mode=ulysses",
+            "trainer.devices=2",
+            "task.data.batch_size=8",
+        ],
+        "masked8",
+        20,
+    ),
+    "cp2xfsdp2": (  # 2 batches of 8 per step: gpt16; checkpoints at 5 and 10 (the kill's)
+        [
+            *GPT,
+            *CP2,
+            "strategy.cp_mode=allgather",
+            "trainer.devices=4",
+            "task.data.batch_size=8",
+            TEN,
+            "callbacks.checkpoint.every_n_steps=5",
+        ],
+        "gpt16",
+        10,
+    ),
+    "pp2xcp2": (
+        [
+            *GPT,
+            *MASKED,
+            "strategy=pipeline",
+            "strategy.pp=2",
+            "strategy.fsdp=2",
+            "strategy.cp=2",
+            "trainer.devices=4",
+            "task.data.batch_size=8",
+            TEN,
+        ],
+        "masked8",
+        10,
+    ),
+    "cp2xep2": (  # fsdp=4 = ep 2 x cp 2: 2 data ranks of batch 8
+        [*MOE, "strategy=fsdp", "strategy.ep=2", "strategy.cp=2", "trainer.devices=4"],
+        "moe16",
+        10,
+    ),
+    # one-process references of this module (conftest's `one_process` has gpt16)
+    "masked8": ([*GPT, *MASKED, *ONE, "task.data.batch_size=8"], None, 20),
+    "moe16": ([*MOE, *ONE, "task.data.batch_size=16"], None, 10),
+}
+GRADS_OF = {"ulysses": "masked8", "pp2xcp2": "masked8", "cp2xep2": "moe16"}
 
 
 def train(run, *args: str, cwd) -> str:
-    result = fw("train", *GPT, *COMMON, *args, f"run.dir={run}", cwd=cwd)
+    result = fw("train", *COMMON, *args, f"run.dir={run}", cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """ring: cp=2 for 10 steps (checkpoint at 10), moved: its run continued on one process to
-    20; ulysses: cp=2 for 20 steps (validation at 20); allgather: cp=2 x fsdp=2 for 10 steps."""
+def trained(tmp_path_factory):
+    """The run directory of `RUNS[name]`, trained on first use (once per module)."""
     root = tmp_path_factory.mktemp("context")
-    batch8 = ["task.data.batch_size=8", "trainer.devices=2"]
-    train(root / "ring", *CP2, *batch8, "trainer.max_steps=10", cwd=root)
-    shutil.copytree(root / "ring", root / "moved", symlinks=True)
-    moved = train(
-        root / "moved", "strategy=ddp", "trainer.devices=1", "task.data.batch_size=8", cwd=root
-    )
-    train(root / "ulysses", *CP2, "strategy.cp_mode=ulysses", *batch8, cwd=root)
-    four = ["strategy.cp_mode=allgather", "trainer.devices=4", "task.data.batch_size=8"]
-    train(root / "allgather", *CP2, *four, "trainer.max_steps=10", cwd=root)
-    return SimpleNamespace(root=root, moved=moved)
+
+    def run(name: str):
+        if not (root / name / "metrics.csv").exists():
+            grads = GRADS if name in {*GRADS_OF, *GRADS_OF.values()} else []
+            train(root / name, *RUNS[name][0], *grads, cwd=root)
+        return root / name
+
+    return run
 
 
 def assert_same(run, want, steps: int) -> None:
@@ -46,27 +111,87 @@ def assert_same(run, want, steps: int) -> None:
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
 
 
+def step_grads(run) -> dict[str, torch.Tensor]:
+    """Every rank's saved step-1 gradients (under a pipeline each holds its stage's)."""
+    grads = {}
+    for path in sorted(run.glob("grads-rank*.pt")):
+        grads.update(torch.load(path, weights_only=True))
+    return grads
+
+
+def reference_losses(name, trained, one_process) -> dict[int, float]:
+    reference = RUNS[name][1]
+    if reference in RUNS:
+        return losses(trained(reference))
+    return one_process[reference]
+
+
+@pytest.mark.parametrize("name", ["ulysses", "cp2xfsdp2", "pp2xcp2", "cp2xep2"])
+def test_split_sequences_train_as_one_process(name, trained, one_process):
+    """Same global batch, per-step losses within 1e-5 of the one-process run."""
+    run = trained(name)
+    assert_same(run, reference_losses(name, trained, one_process), RUNS[name][2])
+    if name == "cp2xep2":  # every token goes to the same experts (counts over all cp ranks)
+        got, want = routing(run), routing(trained("moe16"))
+        assert len(got) == 10 and got == want
+
+
+@pytest.mark.parametrize("name", list(GRADS_OF))
+def test_attention_gradients_at_step_1_equal_one_process(name, trained):
+    """The whole gradient of every attention weight (q/k/v and output projections of each
+    layer, after FSDP's reduction over the cp ranks) within 1e-6 of one process's."""
+    got, want = step_grads(trained(name)), step_grads(trained(GRADS_OF[name]))
+    assert len(want) == 8 and got.keys() == want.keys(), (sorted(got), sorted(want))
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= 1e-6, worst
+
+
+def routing(run) -> list[dict[str, str]]:
+    return [
+        {k: v for k, v in row.items() if "/tokens_e" in k}
+        for row in read_metrics(run)
+        if row.get("moe/layer0/tokens_e0")
+    ]
+
+
 def val_loss(run) -> float:
     return float(next(r["val/loss"] for r in read_metrics(run) if r.get("val/loss")))
 
 
-@pytest.mark.parametrize(
-    ("name", "reference", "steps"),
-    [("ring", "gpt8", 10), ("ulysses", "gpt8", 20), ("allgather", "gpt16", 10)],
-)
-def test_split_sequences_train_as_one_process(runs, one_process, name, reference, steps):
-    """Same global batch, per-step losses within 1e-5 of the one-process run (cp=2 x fsdp=2
-    reads 2 batches of 8 per step: gpt16)."""
-    assert_same(runs.root / name, one_process[reference], steps)
+def test_validation_loss_counts_every_token_once(trained):
+    want = val_loss(trained("masked8"))
+    assert abs(val_loss(trained("ulysses")) - want) <= 1e-5
 
 
-def test_validation_loss_counts_every_token_once(runs, one_process):
-    assert abs(val_loss(runs.root / "ulysses") - val_loss(one_process["root"] / "gpt8")) <= 1e-5
+def test_cp_checkpoint_moves_to_one_process(trained, one_process, tmp_path):
+    """cp=2 x fsdp=2's checkpoint at 10 continued on one process to 20 (gpt16's)."""
+    shutil.copytree(trained("cp2xfsdp2"), tmp_path / "moved", symlinks=True)
+    err = train(tmp_path / "moved", *GPT, *ONE, "task.data.batch_size=16", cwd=tmp_path)
+    assert_resumed(err, tmp_path / "moved", 20, moved=True)
+    assert_same(tmp_path / "moved", one_process["gpt16"], 20)
 
 
-def test_cp_checkpoint_resumes_on_one_process(runs, one_process):
-    assert_resumed(runs.moved, runs.root / "moved", 20, moved=True)
-    assert_same(runs.root / "moved", one_process["gpt8"], 20)
+def test_kill_9_under_cp2_x_fsdp2_resumes_bitwise(trained, tmp_path):
+    """SIGKILL of the whole job after step 7, restart from the checkpoint at 5: the losses and
+    the final weights are bitwise the uninterrupted run's."""
+    from framework.export import consolidated_state
+
+    marker = tmp_path / "killed"
+    kill = [
+        "+callbacks.kill._target_=tests.tasks.KillAfterSave",
+        "+callbacks.kill.step=7",
+        f"+callbacks.kill.marker={marker}",
+    ]
+    args = [*RUNS["cp2xfsdp2"][0], *kill, f"run.dir={tmp_path / 'run'}"]
+    first = fw("train", *COMMON, *args, cwd=tmp_path)
+    assert first.returncode != 0 and marker.exists(), first.stderr[-3000:]
+    err = train(tmp_path / "run", *args[:-1], cwd=tmp_path)
+    assert "(step 5)" in err, err[-3000:]
+    reference = trained("cp2xfsdp2")
+    assert metric_rows(tmp_path / "run") == metric_rows(reference)
+    last = "checkpoints/step00000010"
+    a, b = consolidated_state(tmp_path / "run" / last), consolidated_state(reference / last)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 BASE = ["experiment=gpt_tiny", *CP2, "trainer.devices=2"]
@@ -81,10 +206,27 @@ BASE = ["experiment=gpt_tiny", *CP2, "trainer.devices=2"]
             ["experiment=gpt_tiny", "strategy=fsdp", "strategy.cp=3", "trainer.devices=2"],
             "borrows its ranks from the fsdp degree",
         ),
+        (
+            [
+                "experiment=moe_gpt_tiny",
+                "strategy=fsdp",
+                "strategy.ep=2",
+                "strategy.cp=2",
+                "trainer.devices=2",
+            ],
+            "fsdp / ep = 1 left after strategy.ep=2",
+        ),
         ([*BASE, "strategy.cp_mode=spiral"], "ring"),
         (["task=digits", *CP2, "trainer.devices=2"], "has no attention"),
     ],
-    ids=["length", "ulysses-heads", "cp-does-not-divide", "mode", "no-attention"],
+    ids=[
+        "length",
+        "ulysses-heads",
+        "cp-does-not-divide",
+        "cp-x-ep-does-not-divide",
+        "mode",
+        "no-attention",
+    ],
 )
 def test_bad_settings_are_refused_before_launch(args, says, workdir, monkeypatch, capsys):
     line = refused(args, workdir, monkeypatch, capsys)
