@@ -123,6 +123,29 @@ def test_optimizer_step_is_memory_bound():
     assert pred.optimizer_s == pytest.approx((8e9 + 4e9 + 16e9) / 3350e9)
 
 
+def test_diloco_sends_its_pseudo_gradient_once_per_round():
+    """ddp all-reduces the gradients every step; diloco the pseudo-gradient once per
+    `sync_every` steps (in its dtype): fw plan's bytes and communication time per step follow."""
+    from framework.plugins import capability, load_plugin, typed_config
+    from framework.preflight.plan import plan
+
+    slow = Link("bandwidth only", 1.0, 0.0)
+    cpu = Device(**{**H100.__dict__, "overlap": 0.0, "accelerator": "cpu", "intra": slow})
+    found = {}
+    for name, extra in {"ddp": [], "diloco": ["strategy.sync_every=4"]}.items():
+        (option,), _ = plan([*TINY, f"strategy={name}", *extra], 2, "80GB", device=cpu)
+        found[name] = option
+    grads = found["ddp"].report.worst.grads
+    assert found["ddp"].comm_bytes == 2 * grads > 0
+    assert found["diloco"].comm_bytes == pytest.approx(2 * grads / 4)
+    assert found["diloco"].prediction.comm_s == pytest.approx(found["ddp"].prediction.comm_s / 4)
+    plugin = load_plugin("strategy", "diloco", "strategy.kind")
+    bf16 = typed_config(plugin, {"kind": "diloco", "sync_every": 8, "pseudo_grad_dtype": "bf16"},
+                        "strategy")  # fmt: skip
+    traffic = capability(plugin, "data_traffic")(bf16, None, grads, grads)
+    assert traffic == pytest.approx(2 * grads / 2 / 8)
+
+
 def run(args: list[str], capsys) -> tuple[int, str, str]:
     code = main(["plan", *args])
     out = capsys.readouterr()

@@ -94,6 +94,15 @@ def check_move(cfg: Config, source: str) -> None:
     """Any layout can be moved in (whole tensors); the first round starts at the resumed step."""
 
 
+def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
+    """One all-reduce of the pseudo-gradient per round of `sync_every` steps (fragments spread
+    the same bytes over the round), in `pseudo_grad_dtype`: per step, 2 x its bytes / H (ring
+    volume, as ddp's 2 x grads every step). The parameters are taken as fp32, as under every
+    mixed precision."""
+    size = 2 if cfg.pseudo_grad_dtype == "bf16" else 4
+    return 2 * params / 4 * size / cfg.sync_every
+
+
 def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
     return world.rank, world.world_size
 
