@@ -60,9 +60,26 @@ class Config:
     max_requeues: int = doc(
         10, "How many times a signalled job requeues itself (then it just stops).", min=0
     )
+    min_nodes: int | None = doc(
+        None,
+        "Shrinking is not supported under launcher=slurm: only null or trainer.num_nodes are "
+        "accepted (a lost node ends the SLURM job; run.dir keeps its checkpoints).",
+        min=1,
+    )
 
 
 def validate(cfg: Config, world: World) -> None:
+    if cfg.min_nodes is not None and cfg.min_nodes != world.num_nodes:
+        # a SLURM job's allocation is fixed: srun's steps cannot re-form on fewer nodes, and a
+        # requeue at a smaller node count is not something sbatch offers
+        raise ConfigError(
+            "launcher.min_nodes",
+            cfg.min_nodes,
+            f"launcher=slurm does not shrink a job (trainer.num_nodes={world.num_nodes}): a "
+            "lost node ends the SLURM job, and its checkpoints stay in run.dir",
+            hint="Leave launcher.min_nodes null (or equal to trainer.num_nodes), or start "
+            "`fw train launcher=local launcher.min_nodes=...` on each node for an elastic job.",
+        )
     if shutil.which("sbatch") is None:
         raise ConfigError(
             "launcher",
