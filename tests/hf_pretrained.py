@@ -34,10 +34,10 @@ def write_llama(
     return directory
 
 
-def write_moe(directory: Path, family: str, vocab: int = 300) -> Path:
-    """A random-init tiny MoE model (seed 0; `family` qwen3_moe or mixtral, 4 experts of 2
-    chosen) saved by `save_pretrained` as transformers writes such models: one tensor per expert
-    (e.g. `mlp.experts.3.gate_proj.weight`), several files with an index."""
+def write_moe(directory: Path, family: str, vocab: int = 300, experts: int = 4) -> Path:
+    """A random-init tiny MoE model (seed 0; `family` qwen3_moe or mixtral, `experts` per layer
+    of which 2 are chosen) saved by `save_pretrained` as transformers writes such models: one
+    tensor per expert (e.g. `mlp.experts.3.gate_proj.weight`), several files with an index."""
     import torch
     from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -45,9 +45,9 @@ def write_moe(directory: Path, family: str, vocab: int = 300) -> Path:
 
     torch.manual_seed(0)
     if family == "qwen3_moe":
-        model = Qwen3MoeForCausalLM(qwen3_moe_config(vocab=vocab))
+        model = Qwen3MoeForCausalLM(qwen3_moe_config(vocab=vocab, experts=experts))
     else:
-        model = MixtralForCausalLM(mixtral_config(vocab=vocab))
+        model = MixtralForCausalLM(mixtral_config(vocab=vocab, experts=experts))
     model.save_pretrained(directory, max_shard_size="60KB")
     return directory
 

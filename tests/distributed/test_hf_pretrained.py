@@ -121,20 +121,49 @@ def test_a_resumed_run_continues_from_its_checkpoint(pretrained, tmp_path):
     assert got[3] < got[2] < got[1] < got[0] - 1e-3, got
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_a_pretrained_moe_model_loads_under_expert_parallel(pretrained, tmp_path, family):
-    """The files hold one tensor per expert (as transformers saves MoE models); under ep=2 each
-    rank reads only its own experts' tensors into the stacked (E, ...) weights it holds."""
-    model = write_moe(tmp_path / family, family)
-    assert any(".experts.3." in k for k in weight_map(model)), "per-expert tensors in the files"
-    window = periodic_corpus(tmp_path / "corpus.txt")
-    want = reference_loss(model, window)
+@pytest.fixture(scope="module")
+def moe_models(pretrained, tmp_path_factory):
+    """family -> (its directory: 8 experts per layer, written once when first asked; the first
+    step's loss of `from_pretrained` on the corpus here)."""
+    made = {}
+
+    def model(family: str):
+        if family not in made:
+            directory = write_moe(tmp_path_factory.mktemp("hf_moe") / family, family, experts=8)
+            window = periodic_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+            made[family] = directory, reference_loss(directory, window)
+        return made[family]
+
+    return model
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "ranks"),
+    [
+        ("qwen3_moe", ["strategy=expert"], 2),
+        ("mixtral", ["strategy=expert"], 2),
+        # experts split over ep = 2, then by FSDP over the 2 ranks holding the same ones
+        ("qwen3_moe", ["strategy=fsdp", "strategy.ep=2"], 4),
+    ],
+    ids=["qwen3_moe-ep2", "mixtral-ep2", "qwen3_moe-ep2xfsdp2"],
+)
+def test_a_pretrained_moe_model_loads_under_expert_parallel(
+    pretrained, moe_models, tmp_path, family, layout, ranks
+):
+    """The files hold one tensor per expert (as transformers saves MoE models); under ep=2 (x
+    fsdp=2) each rank reads only its own experts' tensors into the stacked (E, ...) weights it
+    holds, and the first step's loss is `from_pretrained`'s on one process."""
+    model, want = moe_models(family)
+    assert any(".experts.7." in k for k in weight_map(model)), "per-expert tensors in the files"
     moe = {**pretrained, "model": model}
-    run, _ = train(moe, tmp_path, "strategy=expert", *ONE_STEP, "trainer.devices=2")
+    run, _ = train(moe, tmp_path, *layout, *ONE_STEP, f"trainer.devices={ranks}")
     got = losses(run)
     assert sorted(got) == [0] and abs(got[0] - want) <= 1e-5, (got, want)
-    per_rank = reports(run, 2)
-    # the dense weights sharded by FSDP, the experts split over ep: each rank reads what it
-    # holds, and the ranks together read every weight once
-    assert all(r["bytes_read"] == r["local_bytes"] for r in per_rank), per_rank
-    assert sum(r["bytes_read"] for r in per_rank) == model_bytes(model)
+    per_rank = reports(run, ranks)
+    # the dense weights sharded by FSDP, the experts split over ep (and efsdp): each rank reads
+    # what it holds, its 1/ranks of every weight (all sizes divide by 4), no more
+    total = model_bytes(model)
+    assert all(r["bytes_read"] == r["local_bytes"] == total // ranks for r in per_rank), (
+        per_rank,
+        total,
+    )
