@@ -5,7 +5,8 @@ process is killed with -9 after the first checkpoint: node 1 goes on alone from 
 with the same global batch (twice the per-rank batch), and when node 2's command is started
 again the job is back at two processes from the next step. The losses are those of an
 uninterrupted two-process run, every step is logged once and every sample of the epoch is
-trained once."""
+trained once. The same under fsdp (its sharded checkpoint resharded from two ranks to one and
+back), against the same ddp reference: the global batch and the sample order are the same."""
 
 from __future__ import annotations
 
@@ -166,14 +167,30 @@ def reference(tmp_path_factory) -> Path:
     return cwd / "run"
 
 
+def test_launcher_slurm_refuses_min_nodes_below_num_nodes(workdir, monkeypatch, capsys):
+    args = ["launcher=slurm", "trainer.num_nodes=2", "trainer.devices=1", "launcher.min_nodes=1"]
+    err = refused([*args, *QUIET], workdir, monkeypatch, capsys)
+    assert "launcher.min_nodes=1: launcher=slurm does not shrink a job" in err, err
+
+
 @pytest.mark.slow
-def test_a_lost_node_shrinks_the_job_and_its_return_grows_it(workdir, reference):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [],
+        # sharded: the DCP checkpoint of two ranks is resharded for one, and one's for two
+        ["strategy=fsdp"],
+    ],
+    ids=["ddp", "fsdp"],
+)
+def test_a_lost_node_shrinks_the_job_and_its_return_grows_it(workdir, reference, layout):
     out = workdir / "seen"
     out.mkdir()
     (out / "hold").touch()
     port = free_port()
     args = [
         *ARGS,
+        *layout,
         f"+task.model.out={out}",
         "trainer.devices=1",
         "trainer.num_nodes=2",
