@@ -36,6 +36,11 @@ part from the end of the one before, read from the job's stderr lines as they ar
 (the new workers have built their Trainer), rendezvous (their process group formed), load (the
 checkpoint restored), first step (the next step logged).
 
+`--compare`: each kill trial is run twice with the same seed, one after the other: as it is and
+with `launcher.fast_start=false` (torch's dynamic rendezvous for every start, the way restarts
+went before the direct one), shown as strategy `<name>-torchrdzv`, with the ratios of the
+medians after the tables.
+
 Run from the repository root: `python -m benchmarks.kill_campaign [--trials 50]`. Not part of
 `make bench` (about 40 s a trial on 2 cores); a 3-trial smoke run is part of `make test`.
 """
@@ -191,15 +196,23 @@ def kill_one(proc: subprocess.Popen, rng: random.Random) -> bool:
     return True
 
 
-def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> dict:
-    """One kill (or two) and the check; what happened."""
+SLOWER = "torchrdzv"  # --compare's variant: launcher.fast_start=false
+VARIANTS = {"": [], SLOWER: ["launcher.fast_start=false"]}
+
+
+def trial(
+    strategy: str, mode: str, seed: int, root: Path, reference: list, variant: str = ""
+) -> dict:
+    """One kill (or two) and the check; what happened. `variant`: a key of VARIANTS."""
     if mode == "nan":
         return nan_trial(strategy, seed, root, reference)
     rng = random.Random(seed)
     args = [*STRATEGIES[strategy], *COMMON, *(NODE_ARGS if mode == "node" else [])]
+    args += VARIANTS[variant]
     if mode == "end":
         args = [a.replace("max_restarts=3", "max_restarts=0") for a in args]
-    run = root / f"{strategy}-{mode}-{seed}"
+    label = f"{strategy}-{variant}" if variant else strategy
+    run = root / f"{label}-{mode}-{seed}"
     ended_s, first_err = None, ""
     step = rng.randint(2, STEPS - 4)
     ckpts = run / "checkpoints"
@@ -279,7 +292,7 @@ def trial(strategy: str, mode: str, seed: int, root: Path, reference: list) -> d
         if (problem := checkpointing.verify(p)) is not None
     ]
     result = {
-        "strategy": strategy,
+        "strategy": label,
         "mode": mode,
         "seed": seed,
         "killed": killed_at is not None,
@@ -418,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="run each kill trial again with launcher.fast_start=false (same seed), and compare",
+    )
     parser.add_argument("--name", default="kill_campaign", help="benchmarks/results/NAME.json")
     parser.add_argument(
         "--no-save",
@@ -445,18 +463,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{strategy}: the uninterrupted run failed:\n{err[-3000:]}", file=sys.stderr)
                 return 1
             references[key] = rows(run)
-        results.append(trial(strategy, mode, opts.seed + number, root, references[key]))
-        r = results[-1]
-        ok = not failed(r)
-        resumed = f"{r['resumed_s']:.1f} s" if r["resumed_s"] is not None else "-"
-        if r["ended_s"] is not None:
-            resumed += f"; ended {r['ended_s']:.1f} s after the kill"
-        print(
-            f"trial {number + 1}/{opts.trials}: {strategy} {mode}: {'ok' if ok else 'FAILED'}"
-            f" (resumed after {resumed})",
-            flush=True,
-        )
+        variants = ["", SLOWER] if opts.compare and mode != "nan" else [""]
+        for variant in variants:
+            seed = opts.seed + number
+            results.append(trial(strategy, mode, seed, root, references[key], variant))
+            r = results[-1]
+            ok = not failed(r)
+            resumed = f"{r['resumed_s']:.1f} s" if r["resumed_s"] is not None else "-"
+            if r["ended_s"] is not None:
+                resumed += f"; ended {r['ended_s']:.1f} s after the kill"
+            print(
+                f"trial {number + 1}/{opts.trials}: {r['strategy']} {mode}: "
+                f"{'ok' if ok else 'FAILED'} (resumed after {resumed})",
+                flush=True,
+            )
     bad = report(results)
+    if opts.compare:
+        print_ratios(results)
     if not opts.no_save:
         save_results(opts.name, {"steps": STEPS, "trials": results}, load)
     if not bad:
@@ -469,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(results: list[dict]) -> int:
     """Print the table; the number of failed trials."""
     print(
-        f"\n{'strategy':<10}{'mode':<10}{'trials':>7}{'killed':>7}{'exit!=0':>8}"
+        f"\n{'strategy':<14}{'mode':<10}{'trials':>7}{'killed':>7}{'exit!=0':>8}"
         f"{'loss !=':>8}{'corrupt':>8}{'fresh':>6}{'resumed (median s)':>20}"
     )
     bad = 0
@@ -487,7 +510,7 @@ def report(results: list[dict]) -> int:
             median += f" (ended {statistics.median(ends):.1f})"
         killed = sum(r["killed"] for r in group)
         print(
-            f"{key[0]:<10}{key[1]:<10}{len(group):>7}{killed:>7}{bad_exit:>8}{mismatch:>8}"
+            f"{key[0]:<14}{key[1]:<10}{len(group):>7}{killed:>7}{bad_exit:>8}{mismatch:>8}"
             f"{corrupt:>8}{fresh:>6}{median:>20}"
         )
     print(f"{len(results)} trials, {bad} failed")
@@ -498,14 +521,37 @@ def report(results: list[dict]) -> int:
 def print_phases(results: list[dict]) -> None:
     """The restart broken down: the median of each part, per strategy and mode."""
     names = [name for name, _ in PHASES] + ["first step"]
-    print(f"\n{'strategy':<10}{'mode':<10}" + "".join(f"{n:>12}" for n in names) + "   (median s)")
+    print(f"\n{'strategy':<14}{'mode':<10}" + "".join(f"{n:>12}" for n in names) + "   (median s)")
     for key in sorted({(r["strategy"], r["mode"]) for r in results}):
         group = [r["phases"] for r in results if (r["strategy"], r["mode"]) == key]
         cells = []
         for name in names:
             times = [p[name] for p in group if p and p.get(name) is not None]
             cells.append(f"{statistics.median(times):.2f}" if times else "-")
-        print(f"{key[0]:<10}{key[1]:<10}" + "".join(f"{c:>12}" for c in cells))
+        print(f"{key[0]:<14}{key[1]:<10}" + "".join(f"{c:>12}" for c in cells))
+
+
+def print_ratios(results: list[dict]) -> None:
+    """--compare: each median as it is over the same median with launcher.fast_start=false."""
+    names = ["kill -> step"] + [name for name, _ in PHASES] + ["first step"]
+
+    def median(strategy: str, mode: str, name: str) -> float | None:
+        group = [r for r in results if (r["strategy"], r["mode"]) == (strategy, mode)]
+        if name == "kill -> step":
+            times = [r["resumed_s"] for r in group if r["resumed_s"] is not None]
+        else:
+            times = [r["phases"][name] for r in group if r["phases"] and r["phases"].get(name)]
+        return statistics.median(times) if times else None
+
+    print(f"\n{'fast / torchrdzv':<24}" + "".join(f"{n:>14}" for n in names) + "   (ratio)")
+    for strategy, mode in sorted({(r["strategy"], r["mode"]) for r in results}):
+        if strategy.endswith(f"-{SLOWER}"):
+            continue
+        cells = []
+        for name in names:
+            fast, slow = median(strategy, mode, name), median(f"{strategy}-{SLOWER}", mode, name)
+            cells.append(f"{fast / slow:.2f}" if fast is not None and slow else "-")
+        print(f"{strategy + ' ' + mode:<24}" + "".join(f"{c:>14}" for c in cells))
 
 
 if __name__ == "__main__":

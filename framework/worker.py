@@ -47,6 +47,7 @@ TRAINER_KEYS_SKIPPED = (
 
 
 STARTS = ("here", "fork", "spawn")  # how the process that runs `entry` came to be
+MODULES_FILE = "modules.txt"  # in launcher=local's heartbeat directory: what a worker imported
 
 
 def entry(
@@ -54,14 +55,15 @@ def entry(
     resume_from: str | Path | None = None,
     started: str = "here",
     on_preempted: Callable[[Exception], None] | None = None,
-    plan: JobPlan | None = None,
+    plan: JobPlan | DictConfig | None = None,
 ) -> None:
     """Train the job whose run directory holds `config_path` (its frozen config.yaml) as this
     process's rank, from the checkpoint `resume_from` (None or '': from the start).
 
     `plan`: the job's plan when it was made in this process (by validation in the `fw`
-    process, which trains here: one process, or a rank of torchrun/srun); without it the worker
-    makes its plan from config.yaml (framework/config/job_plan.py, `for_worker`).
+    process, which trains here: one process, or a rank of torchrun/srun), or config.yaml as
+    the launcher read it (a forked worker's copy); without it the worker reads config.yaml. The
+    worker makes its plan from the config (framework/config/job_plan.py, `for_worker`).
 
     `started`: "here" for the `fw` process itself (one process) and for a rank that torchrun,
     srun or SLURM started; "fork" or "spawn" for a worker process that launcher=local started,
@@ -165,6 +167,7 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     # with one global order the strategy distributes the loaders (framework.data.order)
     own_order = cfg.task.data_order == "global"
     trainer = make_trainer(cfg.trainer, world, strategy, loggers, callbacks, run_dir, own_order)
+    name_modules(world)
     ckpt_path = str(resume_from / STATE_FILE) if resume_from else None
     restart = int(os.environ.get(RESTART_ENV, "0"))
     if restart:  # what torchrun's own restarts would say (0 under one agent run otherwise)
@@ -180,6 +183,18 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     if trainer.is_global_zero:
         log.info("Run finished at step %d. Outputs in %s", trainer.global_step, run_dir)
     return trainer
+
+
+def name_modules(world: World) -> None:
+    """Under launcher=local (its heartbeat directory set), local rank 0 names the modules it has
+    imported once its Trainer is built: the fw process imports them while training runs
+    (framework.launchers.local.Preload), so that the workers of a restart, forked from it,
+    start with them imported."""
+    directory = os.environ.get(watchdog.HEARTBEAT_ENV)
+    if directory and world.local_rank == 0:
+        from framework import files
+
+        files.write_atomic(Path(directory) / MODULES_FILE, "\n".join(sorted(sys.modules)))
 
 
 def make_trainer(
