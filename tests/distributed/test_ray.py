@@ -1,11 +1,14 @@
 """`launcher=ray` on a real Ray cluster on this machine: a head (`ray start --head`, 4 CPUs) and
-a second raylet joined to it (2 CPUs), two nodes of one cluster. The second runs in its own mount
-namespace where one directory is a private tmpfs: a run directory there is not shared.
+a second raylet joined to it (2 CPUs and one GPU, declared: the machine has none), two nodes of
+one cluster. The second runs in its own mount namespace where one directory is a private tmpfs:
+a run directory there is not shared.
 
-The ranks as Ray actors train bitwise as the local launcher's processes (one rank on each node);
-a rank killed with kill -9 is restarted from the newest checkpoint and the job ends as an
-uninterrupted one; SIGTERM to `fw` saves, exits 75 and leaves no actor alive; bad input is
-refused with exit 2 before anything is written. The fixture stops only the processes of its own
+The ranks as Ray actors train bitwise as the local launcher's processes (gpt under fsdp, one rank
+on each node; digits under ddp, in the kill test, where every step equals the local launcher's),
+with one W&B run per job; a rank killed with kill -9 is restarted from the newest checkpoint and
+the job ends as an uninterrupted one; a hung rank is caught by the watchdog; SIGTERM to `fw`
+saves, exits 75 and leaves no actor alive; bad input is refused with exit 2 before anything is
+written, devices counted on the cluster. The fixture stops only the processes of its own
 cluster (`ray stop` would stop every Ray cluster on the machine)."""
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ def cluster():
     head += [f"--dashboard-port={free_port()}", *common]
     private = Path(temp) / "private"
     private.mkdir()
-    second = [str(RAY), "start", f"--address={address}", "--num-cpus=2", *common]
+    # a GPU as a Ray resource only: what the cluster holds is counted, not what this machine has
+    second = [str(RAY), "start", f"--address={address}", "--num-cpus=2", "--num-gpus=1", *common]
     try:
         started = subprocess.run(head, env=ray_env(), capture_output=True, text=True, timeout=120)
         assert started.returncode == 0, started.stderr[-3000:]
@@ -114,7 +118,9 @@ def cluster():
         if unshared:  # the second node gets its own empty tmpfs at `private`
             script = f"mount -t tmpfs fwray {private} && exec {' '.join(second)}"
             second = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
-        joined = subprocess.run(second, env=ray_env(), capture_output=True, text=True, timeout=120)
+        # Ray refuses a GPU that CUDA_VISIBLE_DEVICES hides; the ranks get their own list
+        gpu = {**ray_env(), "CUDA_VISIBLE_DEVICES": "0"}
+        joined = subprocess.run(second, env=gpu, capture_output=True, text=True, timeout=120)
         assert joined.returncode == 0, joined.stderr[-3000:]
         yield {"address": address, "temp": temp, "private": private if unshared else None}
     finally:
@@ -170,25 +176,31 @@ def reference(tmp_path_factory, cluster) -> Path:
     return run
 
 
-def test_two_ranks_on_two_nodes_train_bitwise_as_the_local_launcher(cluster, reference, workdir):
-    args = ["launcher=ray", "launcher.strategy=STRICT_SPREAD", "trainer.num_nodes=2"]
-    code, err = train(
-        [*SLOW, *args, "trainer.devices=1", "run.dir=run"], workdir, cluster["address"]
-    )
-    assert code == 0, err[-3000:]
-    assert metric_rows(workdir / "run") == metric_rows(reference), "bitwise the local launcher's"
-    assert "(rank 1 pid=" in err, "each rank's output reaches the console, prefixed"
+def wandb_runs(run: Path) -> list[str]:
+    """The offline W&B run directories of a run directory; each must be of the job's run id."""
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    found = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert all(name.endswith(f"-{run_id}") for name in found), (found, run_id)
+    return found
 
 
-def test_gpt_under_fsdp_trains_bitwise_as_the_local_launcher(cluster, workdir):
-    gpt = ["experiment=gpt_tiny", "strategy=fsdp", "trainer.devices=2", "trainer.max_steps=6"]
-    gpt += ["trainer.log_every_n_steps=1", "trainer.deterministic=true", "callbacks=none", *QUIET]
-    runs = {"local": [], "ray": ["launcher=ray"]}
-    for name, launcher in runs.items():
-        code, err = train([*gpt, *launcher, f"run.dir={name}"], workdir, cluster["address"])
+def test_gpt_under_fsdp_on_two_nodes_trains_bitwise_as_the_local_launcher(cluster, workdir):
+    """One rank on each node (the second in its own mount namespace) against two local
+    processes; one W&B run for the job, of the run id in run.json."""
+    gpt = ["experiment=gpt_tiny", "strategy=fsdp", "trainer.max_steps=6", "callbacks=none"]
+    gpt += ["trainer.log_every_n_steps=1", "trainer.deterministic=true", *QUIET]
+    ray = ["launcher=ray", "launcher.strategy=STRICT_SPREAD", "logger.wandb.mode=offline"]
+    runs = {
+        "local": ["trainer.devices=2"],
+        "ray": [*ray, "trainer.devices=1", "trainer.num_nodes=2"],
+    }
+    for name, layout in runs.items():
+        code, err = train([*gpt, *layout, f"run.dir={name}"], workdir, cluster["address"])
         assert code == 0, err[-3000:]
     assert metric_rows(workdir / "ray") == metric_rows(workdir / "local"), "bitwise local's"
     assert len(metric_rows(workdir / "ray")) == 6
+    assert "(rank 1 pid=" in err, "each rank's output reaches the console, prefixed"
+    assert len(wandb_runs(workdir / "ray")) == 1, "one W&B run for the job, none per rank"
 
 
 def rank_pids(temp: str) -> list[int]:
@@ -205,6 +217,7 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint(cluster, referenc
     run = workdir / "run"
     slower = [a.replace("step_sleep=0.1", "step_sleep=0.3") for a in SLOW]  # same losses
     args = [*slower, "launcher=ray", "launcher.max_restarts=1", f"run.dir={run}"]
+    args.append("logger.wandb.mode=offline")
     proc = start(args, workdir, cluster["address"])
     try:
         wait_for_step(run, 7, proc, timeout=300)  # a fresh interpreter per rank: slow under load
@@ -223,6 +236,7 @@ def test_a_killed_rank_is_restarted_from_the_newest_checkpoint(cluster, referenc
     rows = metric_rows(run)
     assert [s for s, _ in rows] == list(range(STEPS)), "each step exactly once"
     assert rows == metric_rows(reference), "losses after the restart are bitwise uninterrupted ones"
+    assert len(wandb_runs(run)) == 2, "one W&B run directory per start, all of one run id"
 
 
 def test_sigterm_saves_exits_75_and_leaves_no_actor(cluster, workdir):
@@ -254,6 +268,29 @@ def test_a_failed_rank_without_restarts_ends_the_job_naming_it(cluster, workdir)
     assert ended - (workdir / "run" / "metrics.csv").stat().st_mtime < 30
 
 
+def test_a_hung_rank_is_caught_by_the_watchdog_leaving_no_actor(cluster, workdir):
+    """Rank 1, on the second node, blocks in step 3 and rank 0 waits in a collective: the
+    watchdog reads both nodes' beats in the run directory, gathers both ranks' stacks through
+    Ray, and the job ends with exit 1 soon after the hang timeout, every actor stopped."""
+    timeout = 4
+    args = ["task._target_=tests.tasks.HangingDigitsTask", f"+task.model.out={workdir}"]
+    args += ["~task.model.dropout", "task.model.hidden=16", "trainer.max_steps=50", *QUIET]
+    args += ["trainer.devices=1", "trainer.num_nodes=2", f"launcher.hang_timeout_s={timeout}"]
+    args += ["launcher=ray", "launcher.strategy=STRICT_SPREAD", "run.dir=run"]
+    code, err = train(args, workdir, cluster["address"])
+    ended = time.time()
+    assert code == 1, err[-3000:]
+    hung = f"the job hung: no training progress within launcher.hang_timeout_s={timeout} (rank 0:"
+    assert hung in err and ", rank 1: " in err, err[-3000:]
+    # the message proves the watchdog ended the job; the bound rules out gloo's 30 min timeout
+    assert ended - float((workdir / "hung").read_text()) < timeout + 30
+    stacks = sorted((workdir / "run" / "stacks").glob("*/rank*.txt"))
+    assert [p.name for p in stacks] == ["rank0.txt", "rank1.txt"], err[-3000:]
+    assert "training_step" in stacks[1].read_text(), "the hung rank's stack shows where it is"
+    assert "distributed_c10d.py" in stacks[0].read_text(), "the other rank waits in a collective"
+    assert alive_actors(cluster["address"]) == [], "no actor outlives fw"
+
+
 def refused(args: list[str], cwd: Path, address: str, run: Path | None = None):
     """fw train's stderr and how long it took; it exits 2 having written nothing."""
     run = run or cwd / "run"
@@ -277,9 +314,30 @@ def test_a_silent_address_is_refused_within_the_probe_timeout(workdir):
 
 
 def test_more_bundles_than_the_cluster_holds_are_refused_with_its_resources(cluster, workdir):
-    err, _ = refused(["trainer.devices=2", "launcher.cpus_per_rank=3"], workdir, cluster["address"])
-    assert "need 2 bundles of {CPU: 3}" in err and "the Ray cluster holds 1" in err, err
-    assert "CPU=4" in err and "CPU=2" in err, "the message shows each node's resources"
+    """A CUDA job from this machine, which has no GPU, is held to the cluster's resources, CPUs
+    and GPUs: 2 ranks of {CPU: 3, GPU: 1} fit on no node (4 CPUs and no GPU; 2 CPUs and a GPU).
+    Counting only one of them, the cluster would hold 1."""
+    args = ["trainer.accelerator=gpu", "trainer.devices=2", "launcher.cpus_per_rank=3"]
+    err, _ = refused(args, workdir, cluster["address"])
+    assert "trainer.devices=2: 2 ranks" in err, err
+    assert "need 2 bundles of {CPU: 3, GPU: 1}" in err and "the Ray cluster holds 0" in err, err
+    assert "CPU=4, GPU=0" in err and "CPU=2, GPU=1" in err, "each node's resources are shown"
+
+
+def test_the_local_launcher_holds_a_cuda_job_to_this_machine(monkeypatch):
+    """The other side of the device check: a launcher that runs its ranks here (the default of
+    `checks_devices`) refuses CUDA on a machine without it."""
+    from omegaconf import OmegaConf
+
+    from framework.config import validate
+    from framework.config.compose import compose_config
+    from framework.errors import ConfigError
+
+    monkeypatch.setattr(validate, "cuda_device_count", lambda: 0)  # also on a GPU machine
+    cfg = compose_config(["task=digits", "trainer.accelerator=gpu", "trainer.devices=2"])
+    OmegaConf.resolve(cfg)
+    with pytest.raises(ConfigError, match="trainer.accelerator=gpu: no CUDA device is available"):
+        validate.validate(cfg)
 
 
 def test_an_unknown_placement_strategy_is_refused(workdir):

@@ -4,7 +4,7 @@
 (`launcher.address`, else RAY_ADDRESS, else a new cluster on this machine): its head's port must
 answer within `probe_timeout_s` (Ray alone retries a silent address for minutes), and the
 cluster must hold `trainer.num_nodes x trainer.devices` bundles (one per rank: `cpus_per_rank`
-CPUs, and a GPU on CUDA). On a cluster of several nodes, `run.dir` must be seen by every node:
+CPUs, and a GPU on CUDA), whatever the devices of the machine `fw` runs on (`checks_devices`). On a cluster of several nodes, `run.dir` must be seen by every node:
 a probe file written next to it must be read back on each node, else the job is refused.
 
 The bundles are reserved in one placement group (`launcher.strategy`), one actor per bundle.
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("framework.launcher")
 
-__all__ = ["Config", "build", "join", "validate"]
+__all__ = ["Config", "build", "checks_devices", "join", "validate"]
 
 
 def validate(cfg: Config, world: World) -> None:
@@ -51,6 +51,12 @@ def validate(cfg: Config, world: World) -> None:
         probe(address, key, cfg.probe_timeout_s)
     connect(address, key, world, cfg)
     check_resources(cfg, world)
+
+
+def checks_devices(cfg: Config) -> bool:
+    """The ranks run on the cluster's nodes, not where `fw` runs: `validate` holds
+    `trainer.devices` to the cluster's resources (GPUs too), not to this machine's."""
+    return True
 
 
 def join(cfg: Config, world: World, config: dict) -> bool:

@@ -128,7 +128,12 @@ def check_resources(cfg: Config, world: World) -> None:
         f"{world.world_size} ranks (trainer.num_nodes={world.num_nodes} x trainer.devices="
         f"{world.devices}) need {world.world_size} bundles of {fmt(need)} placed "
         f"{cfg.strategy}, but the Ray cluster holds {room:g}: {shown or 'no live node'}",
-        hint="Ask for fewer ranks, launcher.cpus_per_rank, or another launcher.strategy.",
+        hint="Ask for fewer ranks, launcher.cpus_per_rank, or another launcher.strategy."
+        + (
+            " The cluster has no GPU: trainer.accelerator=cpu, or a cluster with GPUs."
+            if "GPU" in need and not any(n["Resources"].get("GPU") for n in nodes)
+            else ""
+        ),
     )
 
 

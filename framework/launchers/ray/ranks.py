@@ -88,7 +88,7 @@ class Attempt:
         self.actors: list = []
         self.places: list[dict] = []  # where each rank's actor runs (by rank)
         self.signalled: list[int] = []  # signals to pass on, set by the handler
-        self.watchdogs: list[Watchdog] = []
+        self.watchdog: JobWatchdog | None = None
 
     def run(self, config_path: Path, resume_from: Path | None) -> str | None:
         """None when every rank finished, else what failed; raises WorkersPreempted."""
@@ -109,7 +109,7 @@ class Attempt:
                     f"launcher.placement_timeout_s={self.cfg.placement_timeout_s:g}"
                 )
             envs = self.start_actors(group)
-            self.start_watchdogs(beats, envs)
+            self.start_watchdog(beats, envs)
             refs = [
                 actor.run.remote(env, os.getcwd(), str(config_path), str(resume_from or ""))
                 for actor, env in zip(self.actors, envs, strict=True)
@@ -118,8 +118,8 @@ class Attempt:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            for dog in self.watchdogs:
-                dog.stop()
+            if self.watchdog is not None:
+                self.watchdog.stop()
             self.stop_actors()
             remove_placement_group(group)
             remove_tree(beats)
@@ -155,21 +155,21 @@ class Attempt:
         self.places = ray.get([a.where.remote() for a in self.actors])
         return rank_envs(self.places, nodes, self.cfg, self.world, self.attempt)
 
-    def start_watchdogs(self, beats: Path, envs: list[dict]) -> None:
-        """Heartbeats in the shared run directory, one folder per node (by local rank, as the
-        workers write them); one watchdog each, which asks every rank for its stack."""
-        for node in sorted({int(env["GROUP_RANK"]) for env in envs}):
-            folder = beats / str(node)
-            folder.mkdir(parents=True)
-            for env in envs:
-                if int(env["GROUP_RANK"]) == node:
-                    env[HEARTBEAT_ENV] = str(folder)
+    def start_watchdog(self, beats: Path, envs: list[dict]) -> None:
+        """Heartbeats in the shared run directory, one folder per node (the workers name their
+        files by local rank); one watchdog over every node's folder, which asks every rank for
+        its stack."""
+        for env in envs:
+            folder = beats / env["GROUP_RANK"]
+            folder.mkdir(parents=True, exist_ok=True)
+            env[HEARTBEAT_ENV] = str(folder)
             if self.cfg.hang_timeout_s > 0:
                 (folder / WATCHED).touch()
-                ranks = sum(int(e["GROUP_RANK"]) == node for e in envs)
-                dog = Watchdog(folder, ranks, self.cfg.hang_timeout_s, self.run_dir, self.stacks)
-                dog.start()
-                self.watchdogs.append(dog)
+        if self.cfg.hang_timeout_s > 0:
+            self.watchdog = JobWatchdog(
+                beats, envs, self.cfg.hang_timeout_s, self.run_dir, self.stacks
+            )
+            self.watchdog.start()
 
     def stacks(self) -> list[int]:
         """What a watchdog calls before it copies the stacks: every rank is asked for its stack
@@ -202,9 +202,8 @@ class Attempt:
         while pending:
             if self.signalled:
                 self.signal_ranks(self.signalled.pop(0))
-            fired = next((d.fired for d in self.watchdogs if d.fired), None)
-            if fired:
-                return fired
+            if self.watchdog is not None and self.watchdog.fired:
+                return self.watchdog.fired
             if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
                 break  # the others wait in a collective that will not complete
             done, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
@@ -229,6 +228,28 @@ class Attempt:
         for actor in self.actors:
             with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 ray.get(actor.where.remote(), timeout=30)
+
+
+class JobWatchdog(Watchdog):
+    """framework.watchdog's hang watchdog over every node's beat folder: a rank is named by its
+    global rank, and the stacks of the ranks on every node are gathered."""
+
+    def __init__(self, beats: Path, envs: list[dict], timeout: float, run_dir: Path, stacks):
+        super().__init__(beats, len(envs), timeout, run_dir, stacks)
+        self.beat_files = [beats / e["GROUP_RANK"] / f"rank{e['LOCAL_RANK']}" for e in envs]
+        self.folders = sorted({path.parent for path in self.beat_files})
+
+    def _beat(self, rank: int) -> float | None:
+        try:
+            return self.beat_files[rank].stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def _busy(self) -> bool:
+        return any(any(folder.glob("busy-rank*")) for folder in self.folders)
+
+    def _stack_files(self) -> list[Path]:
+        return sorted(p for folder in self.folders for p in folder.glob("stacks-rank*.txt"))
 
 
 def outcome(ref) -> dict:
@@ -287,8 +308,10 @@ def rank_envs(places: list[dict], nodes: list[str], cfg: Config, world: World, a
             "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
             RESTART_ENV: str(attempt),
         }
-        if world.is_cuda:  # the node's GPUs of this job by local rank: LOCAL_RANK is its own
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(g for p in same for g in p["gpus"])
+        # on CUDA the node's GPUs of this job by local rank (LOCAL_RANK is its own); else none,
+        # so a rank with trainer.accelerator=auto trains on the CPU as planned here, not on GPUs
+        # of its node that no bundle reserved
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(g for p in same for g in p["gpus"])
         envs.append(env)
     return envs
 
