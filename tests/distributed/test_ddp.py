@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,52 +13,49 @@ import yaml
 from tests.conftest import FW, QUIET, fw, fw_env, losses, tree
 
 pytestmark = pytest.mark.slow
-DETERMINISTIC = [
-    *QUIET,
-    "trainer.deterministic=true",
-    "trainer.log_every_n_steps=1",
-    "callbacks=none",
-]
+DETERMINISTIC = [*QUIET, "trainer.deterministic=true", "trainer.log_every_n_steps=1"]
 
 
-def test_two_processes_reproduce_one_process_with_the_global_batch(one_process, workdir):
-    """Against the one-process digits run with batch 32 (tests/distributed/conftest.py)."""
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> Path:
+    """digits on 2 processes of batch 16 (the one-process digits run's global batch of 32), 20
+    steps, started in an empty directory: `<root>/run`."""
+    root = tmp_path_factory.mktemp("two")
     two = fw(
         "train",
         "task.data.batch_size=16",
         "trainer.devices=2",
         "trainer.max_steps=20",
         *DETERMINISTIC,
-        f"run.dir={workdir}/two",
-        cwd=workdir,
+        "run.dir=run",
+        cwd=root,
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = one_process["digits"], losses(workdir / "two")
+    return root
+
+
+def test_two_processes_reproduce_one_process_with_the_global_batch(one_process, two):
+    """Against the one-process digits run with batch 32 (tests/distributed/conftest.py)."""
+    a, b = one_process["digits"], losses(two / "run")
     assert sorted(a) == list(range(20)) and sorted(b) == list(range(20))
     for step in range(20):
         assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
     assert a[19] < a[0] - 0.5, "the model learns"
 
 
-def test_ddp_job_makes_one_run_dir_and_nothing_else(workdir):
-    result = fw(
-        "train", "trainer.devices=2", "trainer.max_steps=12", *QUIET, "run.dir=run", cwd=workdir
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    files = tree(workdir)
+def test_ddp_job_makes_one_run_dir_and_nothing_else(two):
+    files = tree(two)
     assert {p.split("/")[0] for p in files} == {"run"}
     assert sum(p.endswith("config.yaml") for p in files) == 1
     assert {
         "run/config.yaml",
         "run/metrics.csv",
         "run/run.json",
-        "run/checkpoints/step00000012/state.ckpt",
+        "run/checkpoints/step00000020/state.ckpt",
         "run/checkpoints/last",
     } <= files
-    cfg = (workdir / "run" / "config.yaml").read_text()
-    assert "${" not in cfg and f"dir: {workdir}/run" in cfg, (
-        "config.yaml is resolved, run.dir absolute"
-    )
+    cfg = (two / "run" / "config.yaml").read_text()
+    assert "${" not in cfg and f"dir: {two}/run" in cfg, "config.yaml is resolved, run.dir absolute"
 
 
 def test_multirun_gives_independent_jobs(workdir):
@@ -107,21 +105,7 @@ def test_a_failing_rank_ends_the_job_and_is_named(method, workdir):
     ]
 
 
-def test_a_plain_lightning_module_runs_under_ddp(workdir):
-    result = fw(
-        "train",
-        "task._target_=tests.tasks.PlainDigits",
-        "~task.model.dropout",
-        "task.model.hidden=16",
-        "trainer.devices=2",
-        "trainer.max_steps=6",
-        "trainer.log_every_n_steps=1",
-        *QUIET,
-        f"run.dir={workdir}/run",
-        cwd=workdir,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(losses(workdir / "run")) == list(range(6))
+# a plain LightningModule (and DataModule) under ddp: test_plain_lightning.py
 
 
 def test_inside_torchrun_the_runner_does_not_spawn(workdir):
