@@ -331,7 +331,7 @@ def pipeline_cut(task, cfg, dims, coords, batch):
     rows = max(1, x.shape[0] // cfg.microbatches)
     x, y = x[:rows], y[:rows]
     inputs, h = {}, x
-    with torch.no_grad():
+    with torch.no_grad(), experts_pass_through(task):
         for i, layer in enumerate(cut.chain):
             if i in cut.starts:
                 s = cut.starts.index(i)
@@ -342,6 +342,27 @@ def pipeline_cut(task, cfg, dims, coords, batch):
         raise ValueError(f"pipeline stage {empty[0]} would hold no layer")
     inputs["target"] = y
     return cut, inputs
+
+
+@contextlib.contextmanager
+def experts_pass_through(task):
+    """The task's MoE layers hand on their input while the stages' inputs are found: their
+    output has their input's shape, and routing fake tokens has data-dependent shapes (the step
+    itself then finds that, and the check reports model states only)."""
+    from framework.parallel.experts import moe_layers
+
+    layers = moe_layers(task)
+    for layer in layers:
+        layer.forward = _same
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _same(x):
+    return x
 
 
 def stage_steps(task, modules, inputs, cut):

@@ -156,16 +156,23 @@ def test_a_pipeline_refuses_a_moe_model_adding_its_routers_auxiliary_loss(
     [
         ("mixtral", ["strategy=fsdp"], "fsdp=4 x ep=2, 4 processes"),
         ("qwen3_moe", ["strategy=fsdp_tp"], "fsdp=2 x tp=2 x ep=2, 4 processes"),
+        (
+            "qwen3_moe",
+            ["strategy=pipeline", "strategy.pp=2", "strategy.fsdp=2", "strategy.microbatches=2"],
+            "pp=2 x fsdp=2 x ep=2, 4 processes",
+        ),
     ],
-    ids=["ep2xfsdp", "ep2xtp2"],
+    ids=["ep2xfsdp", "ep2xtp2", "pp2xep2"],
 )
 def test_fw_check_simulates_the_swapped_layers(
     family, layout, shown, tmp_path, monkeypatch, capsys
 ):
     """fw check runs the same swap inside its fake tensors, before the tensor plans, as fw train
     does: the counts the swap adds are fake too (a real one failed FSDP's move to the simulated
-    device: exit 2, 'rank 0 would fail'), and under ep x tp the experts are split by ep, not
-    refused as the model's tp plan styles them (moe_tp_experts)."""
+    device: exit 2, 'rank 0 would fail'), under ep x tp the experts are split by ep, not
+    refused as the model's tp plan styles them (moe_tp_experts), and under pp x ep the stages'
+    inputs are found with the experts passing their input through (routing fake tokens has
+    data-dependent shapes: DynamicOutputShapeException, exit 2)."""
     from framework.cli import main
 
     monkeypatch.chdir(tmp_path)
