@@ -1,15 +1,22 @@
 """`fw plan`'s predicted step time against measured runs on this machine (issue 30): `fw
-calibrate` measures the machine, then `fw plan --gpus 2 --hardware FILE --measure 1` predicts and
-runs each layout of a small GPT (moe_gpt for expert parallel) at 2 processes, and the ratios
+calibrate` measures the machine, then `fw plan --gpus N --hardware FILE --measure 1` predicts and
+runs each layout of a small GPT (moe_gpt for expert parallel) at N processes, and the ratios
 predicted / measured are printed side by side. The goal is every ratio within 1 +- 0.25 on a quiet
 machine; a loaded machine scatters the measured steps (the load is recorded with the results).
 
-Run: python -m benchmarks.plan_accuracy (a calibration and eight short trainings, several minutes
-on two cores).
+Then the rank order: wherever two layouts' measured times per token differ by more than 15%, the
+prediction must order them the same way (time per token, the order `fw plan` sorts by: the
+layouts' steps take different numbers of tokens). Every such pair is printed and recorded.
+
+Run: python -m benchmarks.plan_accuracy (2 processes, eight layouts, about 6 minutes on two quiet
+cores); --gpus 4 for ddp, fsdp, fsdp_tp (tp=2) and a pipeline (pp=2 x fsdp=2) at 4 processes
+(results/plan_accuracy_4.json); --layouts a,b for some of them.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -25,18 +32,25 @@ GPT = [
     "task.data.batch_size=8",
     "task.data.max_bytes=300000",
 ]
+PIPELINE = ["task=gpt", "strategy=pipeline", "strategy.schedule=1f1b", "strategy.microbatches=4"]
 LAYOUTS = {
     "ddp": ["task=gpt", "strategy=ddp"],
     "zero2": ["task=gpt", "strategy=zero2"],
     "fsdp": ["task=gpt", "strategy=fsdp"],
     "tensor": ["task=gpt", "strategy=tensor", "strategy.tp=2"],
     "fsdp_tp": ["task=gpt", "strategy=fsdp_tp", "strategy.tp=2"],
-    "pipeline": ["task=gpt", "strategy=pipeline", "strategy.schedule=1f1b",
-                 "strategy.microbatches=4"],
+    "pipeline": PIPELINE,
     "expert": ["task=moe_gpt", "strategy=expert", "strategy.ep=2"],
     "diloco": ["task=gpt", "strategy=diloco"],
-}  # fmt: skip
+}
+LAYOUTS_4 = {
+    "ddp": LAYOUTS["ddp"],
+    "fsdp": LAYOUTS["fsdp"],
+    "fsdp_tp": LAYOUTS["fsdp_tp"],  # fsdp 2 x tp 2
+    "pipeline": [*PIPELINE, "strategy.pp=2", "strategy.fsdp=2"],
+}
 BOUND = 0.25
+APART = 0.15  # measured times further apart than this must be predicted in the same order
 FW = [sys.executable, "-m", "framework.cli"]
 
 
@@ -47,30 +61,102 @@ def run(args: list[str], cwd: Path) -> str:
     return done.stdout
 
 
-def main() -> None:
-    load = load_average()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        calibration = work / "calibration.json"
-        run(["calibrate", "--out", str(calibration)], work)
-        rows = {}
-        for name, layout in LAYOUTS.items():
-            plan = ["plan", "--gpus", "2", "--hardware", str(calibration), "--json"]
-            out = run([*plan, "--measure", "1", *layout, *GPT], work)
-            (row,) = json.loads(out)
-            measured = row["measured"]
-            rows[name] = {
-                "predicted_s": row["step_s"],
-                "measured": measured,
-                "ratio": measured.get("predicted_over_measured"),
+def measure(layouts: dict[str, list[str]], gpus: int, work: Path) -> dict[str, dict]:
+    calibration = work / "calibration.json"
+    run(["calibrate", "--out", str(calibration), "--processes", str(gpus)], work)
+    rows = {}
+    for name, layout in layouts.items():
+        plan = ["plan", "--gpus", str(gpus), "--hardware", str(calibration), "--json"]
+        out = run([*plan, "--measure", "1", *layout, *GPT], work)
+        (row,) = json.loads(out)
+        measured = row["measured"]
+        rows[name] = {
+            "predicted_s": row["step_s"],
+            "tokens_per_step": row["tokens_per_s"] * row["step_s"],
+            "terms_s": row["terms_s"],
+            "measured": measured,
+            "ratio": measured.get("predicted_over_measured"),
+        }
+    rows["calibration"] = json.loads(calibration.read_text())
+    return rows
+
+
+def rank_order(rows: dict[str, dict], apart: float = APART) -> dict:
+    """Each pair of layouts whose measured seconds per token differ by more than `apart`,
+    with whether the prediction orders it the same way."""
+    per_token = {
+        name: (
+            r["predicted_s"] / r["tokens_per_step"],
+            r["measured"]["step_s"] / r["tokens_per_step"],
+        )
+        for name, r in rows.items()
+        if r["ratio"] is not None
+    }
+    pairs = []
+    for a, b in itertools.combinations(per_token, 2):
+        (pa, ma), (pb, mb) = per_token[a], per_token[b]
+        if max(ma, mb) <= (1 + apart) * min(ma, mb):
+            continue
+        pairs.append(
+            {
+                "faster_measured": a if ma < mb else b,
+                "slower_measured": b if ma < mb else a,
+                "measured_apart": max(ma, mb) / min(ma, mb),
+                "agrees": (pa < pb) == (ma < mb),
             }
-    print(f"{'layout':10} {'predicted / measured':>22}")
+        )
+    return {
+        "apart": apart,
+        "by_predicted": sorted(per_token, key=lambda n: per_token[n][0]),
+        "by_measured": sorted(per_token, key=lambda n: per_token[n][1]),
+        "pairs": pairs,
+        "agrees": all(p["agrees"] for p in pairs),
+    }
+
+
+def report(rows: dict[str, dict], order: dict) -> None:
+    print(f"{'layout':10} {'predicted s':>12} {'measured s':>11} {'predicted / measured':>21}")
     for name, row in rows.items():
         ratio = row["ratio"]
         mark = "" if ratio is not None and abs(ratio - 1) <= BOUND else "  (outside +-25%)"
-        shown = f"{ratio:.2f}" if ratio is not None else str(row["measured"])
-        print(f"{name:10} {shown:>22}{mark}")
-    save_results("plan_accuracy", {"bound": BOUND, "layouts": rows}, load)
+        if ratio is None:
+            print(f"{name:10} {row['predicted_s']:12.4g} {str(row['measured']):>33}")
+            continue
+        measured = row["measured"]["step_s"]
+        print(f"{name:10} {row['predicted_s']:12.4g} {measured:11.4g} {ratio:21.2f}{mark}")
+    print("Fastest first by time per token, predicted: " + ", ".join(order["by_predicted"]))
+    print("                                 measured:  " + ", ".join(order["by_measured"]))
+    print(f"Pairs measured more than {order['apart']:.0%} apart, in the predicted order?")
+    for p in order["pairs"]:
+        verdict = "yes" if p["agrees"] else "NO"
+        print(
+            f"  {p['faster_measured']} faster than {p['slower_measured']} "
+            f"(x{p['measured_apart']:.2f} measured): {verdict}"
+        )
+    print(f"rank order agrees: {order['agrees']} ({len(order['pairs'])} pairs)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, choices=(2, 4), default=2, help="processes")
+    parser.add_argument("--layouts", default="", help="comma-separated names (default: all)")
+    args = parser.parse_args()
+    layouts = LAYOUTS if args.gpus == 2 else LAYOUTS_4
+    if args.layouts:
+        wanted = args.layouts.split(",")
+        unknown = [n for n in wanted if n not in layouts]
+        if unknown:
+            parser.error(f"unknown layouts {unknown}; known at --gpus {args.gpus}: {list(layouts)}")
+        layouts = {n: layouts[n] for n in wanted}
+    load = load_average()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = measure(layouts, args.gpus, Path(tmp))
+    calibration = rows.pop("calibration")
+    order = rank_order(rows)
+    report(rows, order)
+    name = "plan_accuracy" if args.gpus == 2 else f"plan_accuracy_{args.gpus}"
+    results = {"gpus": args.gpus, "bound": BOUND, "layouts": rows, "rank_order": order}
+    save_results(name, {**results, "calibration": calibration}, load)
 
 
 if __name__ == "__main__":
