@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from pathlib import Path
 
 import pytest
 
@@ -26,20 +27,31 @@ GPT = [
 RUNS = {
     "gpt8": [*GPT, "task.data.batch_size=8"],
     "gpt16": [*GPT, "task.data.batch_size=16"],
-    "digits": ["task=digits", "trainer.max_steps=20", "task.data.batch_size=32", "callbacks=none"],
+    "digits": [
+        "task=digits",
+        "trainer.max_steps=20",
+        "task.data.batch_size=32",
+        "callbacks.checkpoint.every_n_steps=20",
+    ],
 }
+
+
+def shared_root(tmp_path_factory, name: str) -> Path:
+    """A directory of this test session's, the same for every pytest-xdist worker (`make test`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / name  # this session's, shared
+    else:
+        root = tmp_path_factory.mktemp(name)
+    root.mkdir(exist_ok=True)
+    return root
 
 
 @pytest.fixture(scope="session")
 def one_process(tmp_path_factory):
     """Run directories of one-process runs: gpt_tiny with batch 8 and 16 (20 steps, checkpoints
-    at 10 and 20, validation at 20) and digits with batch 32 (20 steps); with `losses` of each.
-    Under pytest-xdist (`make test`) the workers share them: the first to get here runs them."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = tmp_path_factory.getbasetemp().parent / "one_process"  # this session's, shared
-    else:
-        root = tmp_path_factory.mktemp("one_process")
-    root.mkdir(exist_ok=True)
+    at 10 and 20, validation at 20) and digits with batch 32 (20 steps, checkpoint at 20); with
+    `losses` of each. The workers of `make test` share them: the first to get here runs them."""
+    root = shared_root(tmp_path_factory, "one_process")
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait for the runs
         if not (root / ".done").exists():
@@ -48,3 +60,22 @@ def one_process(tmp_path_factory):
                 assert result.returncode == 0, result.stderr[-3000:]
             (root / ".done").touch()
     return {"root": root, **{name: losses(root / name) for name in RUNS}}
+
+
+# the gpt recipe's corpus as test_prepared.py and test_prepare_ray.py prepare it
+CORPUS = ["task=gpt", "task.data.max_bytes=1500000", "task.data.chunk_bytes=60000"]
+
+
+@pytest.fixture(scope="session")
+def prepared_corpus(tmp_path_factory) -> Path:
+    """CORPUS prepared without interruption by `fw prepare --workers 2` (the local engine),
+    once per session: what a rerun or another engine must write byte for byte. Read only."""
+    root = shared_root(tmp_path_factory, "prepared_corpus")
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".done").exists():
+            args = ["prepare", "--workers", "2", *CORPUS, f"task.data.prepared={root / 'data'}"]
+            result = fw(*args, cwd=root)
+            assert result.returncode == 0, result.stderr[-3000:]
+            (root / ".done").touch()
+    return root / "data"
