@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -180,17 +181,28 @@ def test_sigterm_checkpoints_exits_75_and_the_restart_is_exact(reference, workdi
     assert_same_as_reference(run, reference)
 
 
+DAMAGED = ["callbacks.checkpoint.every_n_steps=10", *QUIET, "run.dir=run"]
+
+
+@pytest.fixture(scope="module")
+def twenty_steps(tmp_path_factory) -> Path:
+    """One process, 20 steps, checkpoints at 10 and 20: the run each damage test copies."""
+    root = tmp_path_factory.mktemp("twenty_steps")
+    assert fw("train", "trainer.max_steps=20", *DAMAGED, cwd=root).returncode == 0
+    return root / "run"
+
+
 @pytest.mark.parametrize("corruption", ["truncated", "corrupted"])
-def test_damaged_newest_checkpoint_is_skipped(corruption, workdir):
-    args = ["trainer.max_steps=20", "callbacks.checkpoint.every_n_steps=10", *QUIET, "run.dir=run"]
-    assert fw("train", *args, cwd=workdir).returncode == 0
+def test_damaged_newest_checkpoint_is_skipped(corruption, twenty_steps, workdir):
+    shutil.copytree(twenty_steps, workdir / "run", symlinks=True)
+    args = DAMAGED
     state = workdir / "run" / "checkpoints" / "step00000020" / "state.ckpt"
     data = state.read_bytes()
     if corruption == "truncated":
         state.write_bytes(data[: len(data) // 2])
     else:
         state.write_bytes(data[:1000] + bytes(b ^ 0xFF for b in data[1000:1100]) + data[1100:])
-    again = fw("train", *args[1:], "trainer.max_steps=30", cwd=workdir)
+    again = fw("train", *args, "trainer.max_steps=30", cwd=workdir)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Skipping checkpoint" in again.stderr and corruption in again.stderr
     assert "step00000010 (step 10)" in again.stderr
