@@ -4,8 +4,9 @@
 (`launcher.address`, else RAY_ADDRESS, else a new cluster on this machine): its head's port must
 answer within `probe_timeout_s` (Ray alone retries a silent address for minutes), and the
 cluster must hold `trainer.num_nodes x trainer.devices` bundles (one per rank: `cpus_per_rank`
-CPUs, and a GPU on CUDA), whatever the devices of the machine `fw` runs on (`checks_devices`). On a cluster of several nodes, `run.dir` must be seen by every node:
-a probe file written next to it must be read back on each node, else the job is refused.
+CPUs, and a GPU on CUDA), whatever the devices of the machine `fw` runs on (`checks_devices`).
+On a cluster of several nodes, `run.dir` must be seen by every node: a probe file written next
+to it must be read back on each node, else the job is refused.
 
 The bundles are reserved in one placement group (`launcher.strategy`), one actor per bundle.
 Each actor runs the ordinary worker entry with the environment a local worker gets from
@@ -15,7 +16,7 @@ console through Ray, each line prefixed with its rank. When an actor fails (or i
 lost) the others are stopped and, while `max_restarts` allows, every rank starts again from the
 newest complete checkpoint. SIGTERM/SIGINT/SIGUSR1 to `fw` reach every rank (as SIGTERM for
 SIGINT): they save at the next step and `fw` exits 75; no actor outlives `fw`. The hang watchdog
-of launcher=local (framework.watchdog) watches the ranks' beats in the shared run directory.
+of launcher=local (framework.watchdog) watches every node's beats in the shared run directory.
 """
 
 from __future__ import annotations
