@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -213,12 +214,26 @@ def test_secrets_never_reach_disk_or_the_console(workdir, tmp_path):
     assert "api_token: '***'" in (workdir / "run" / "config.yaml").read_text()
 
 
-def test_resume_refuses_a_different_model_and_lists_harmless_changes(workdir):
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A 4-step run of the default task that the tests below read and leave as it is."""
+    run = tmp_path_factory.mktemp("four_steps") / "run"
+    result = fw("train", "trainer.max_steps=4", *QUIET, f"run.dir={run}", cwd=run.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def test_resume_refuses_a_different_model_and_lists_harmless_changes(
+    four_steps, workdir, monkeypatch, capsys
+):
+    from framework.cli import main  # the refusal in this process: it comes before any launch
+
+    shutil.copytree(four_steps, workdir / "run", symlinks=True)
     args = ["trainer.max_steps=4", *QUIET, "run.dir=run"]
-    assert fw("train", *args, cwd=workdir).returncode == 0
-    bad = fw("train", *args, "task.model.hidden=64", cwd=workdir)
-    assert bad.returncode == 2 and "task.model.hidden: 128 -> 64" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    monkeypatch.chdir(workdir)
+    assert main(["train", *args, "task.model.hidden=64"]) == 2
+    err = capsys.readouterr().err
+    assert "task.model.hidden: 128 -> 64" in err and "Traceback" not in err, err
     ok = fw(
         "train",
         "trainer.max_steps=8",
@@ -232,15 +247,6 @@ def test_resume_refuses_a_different_model_and_lists_harmless_changes(workdir):
         "trainer.max_steps: 4 -> 8" in ok.stderr
         and "trainer.log_every_n_steps: 10 -> 2" in ok.stderr
     )
-
-
-@pytest.fixture(scope="module")
-def four_steps(tmp_path_factory):
-    """A 4-step run of the default task that the tests below read and leave as it is."""
-    run = tmp_path_factory.mktemp("four_steps") / "run"
-    result = fw("train", "trainer.max_steps=4", *QUIET, f"run.dir={run}", cwd=run.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run
 
 
 def test_resume_from_an_explicit_checkpoint_into_a_new_run(four_steps, workdir):
@@ -258,7 +264,7 @@ def test_resume_from_an_explicit_checkpoint_into_a_new_run(four_steps, workdir):
     assert '"step": 6' in meta
 
 
-def test_export_gives_a_plain_state_dict(four_steps, workdir):
+def test_export_gives_a_plain_state_dict(four_steps, workdir, capsys):
     out = workdir / "model.pt"
     result = fw("export", str(four_steps), str(out), cwd=workdir)
     assert result.returncode == 0, result.stderr
@@ -274,6 +280,8 @@ def test_export_gives_a_plain_state_dict(four_steps, workdir):
     ckpt = torch.load(four_steps / "checkpoints" / "last" / "state.ckpt", weights_only=True)
     exported = torch.load(out, weights_only=True)
     assert all(torch.equal(exported[k], ckpt["state_dict"][k]) for k in exported)
-    again = fw("export", str(four_steps), str(out), cwd=workdir)
-    assert again.returncode == 2 and "already exists" in again.stderr
-    assert fw("export", str(four_steps), str(out), "--force", cwd=workdir).returncode == 0
+    from framework.cli import main  # the next two in this process: the start-up is paid above
+
+    assert main(["export", str(four_steps), str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["export", str(four_steps), str(out), "--force"]) == 0
