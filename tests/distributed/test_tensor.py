@@ -42,21 +42,36 @@ def assert_same(run, want) -> None:
 
 
 # CommCounter writes a run's collectives of step 2 next to it (comm.json): the tests of the
-# collectives below read those of these layouts' runs, one run for both kinds of assertion
+# collectives below read those of these layouts' runs, one run for both kinds of assertion (the
+# activation-checkpointing ones too: full recomputes a block's collectives in backward,
+# selective keeps them)
 COUNTER = ["+callbacks.comm._target_=framework.debug.CommCounter", "+callbacks.comm.out=OUT"]
 LAYOUTS = {
     "tp2": (["strategy=tensor", "trainer.devices=2", "task.data.batch_size=8", *COUNTER], "gpt8"),
-    # plain fsdp2xtp2 and dp2xtp2: covered by their -sp and -ac variants below
-    "tp2-sp": (
-        ["strategy=tensor", "strategy.sequence_parallel=true", "trainer.devices=2", *COUNTER],
+    # plain fsdp2xtp2 and dp2xtp2: covered by their -sp and -ac variants below; fsdp2xtp2 with
+    # full checkpointing: test_activation_checkpointing_and_compile_keep_the_losses
+    "tp2-sp-selective-ac": (
+        [
+            "strategy=tensor",
+            "strategy.sequence_parallel=true",
+            "trainer.activation_checkpointing=selective",
+            "trainer.devices=2",
+            *COUNTER,
+        ],
         "gpt8",
     ),
     "fsdp2xtp2-sp": (
         ["strategy=fsdp_tp", "strategy.sequence_parallel=true", "trainer.devices=4"],
         "gpt16",
     ),
-    "tp2-gathered-logits": (
-        ["strategy=tensor", "strategy.loss_parallel=false", "trainer.devices=2", *COUNTER],
+    "tp2-gathered-logits-full-ac": (
+        [
+            "strategy=tensor",
+            "strategy.loss_parallel=false",
+            "trainer.activation_checkpointing=full",
+            "trainer.devices=2",
+            *COUNTER,
+        ],
         "gpt8",
     ),
     "dp2xtp2-sp-selective-ac": (
@@ -68,10 +83,6 @@ LAYOUTS = {
             "trainer.activation_checkpointing=selective",
             "trainer.devices=4",
         ],
-        "gpt16",
-    ),
-    "fsdp2xtp2-full-ac": (
-        ["strategy=fsdp_tp", "trainer.activation_checkpointing=full", "trainer.devices=4"],
         "gpt16",
     ),
 }
@@ -124,12 +135,6 @@ def counted(run) -> dict:
     return json.loads((run.parent / "comm.json").read_text())
 
 
-def comm_counts(workdir, *args: str) -> dict:
-    counter = [a.replace("OUT", str(workdir)) for a in COUNTER]
-    train(*args, "trainer.max_steps=3", "callbacks=none", *counter, "run.dir=run", cwd=workdir)
-    return counted(workdir / "run")
-
-
 def test_each_transformer_block_costs_two_all_reduces_forward_and_two_backward(layouts):
     counts = counted(layouts("tp2"))
     blocks = [k for k in counts if k.startswith("GPTTask.model.blocks.") and k.count(".") == 3]
@@ -140,12 +145,17 @@ def test_each_transformer_block_costs_two_all_reduces_forward_and_two_backward(l
     # (loss_parallel): the head gathers nothing, the loss all-reduces per-token statistics only
     assert counts["GPTTask.model.tok"]["forward"] == {"all_reduce": 1}
     assert counts["GPTTask.model.head"]["forward"] == {}
-    gathered = counted(layouts("tp2-gathered-logits"))
+    gathered = counted(layouts("tp2-gathered-logits-full-ac"))
     assert gathered["GPTTask.model.head"]["forward"] == {"all_gather_into_tensor": 1}
+    # full activation checkpointing: a block's forward, recomputed in backward, repeats its
+    # all-reduces (the proof the blocks are checkpointed)
+    assert gathered["GPTTask.model.blocks.0"]["backward"]["all_reduce"] > 2
 
 
 def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(layouts):
-    counts = counted(layouts("tp2-sp"))
+    """Under selective activation checkpointing, which saves the collectives' outputs: the
+    backward repeats none of the forward's."""
+    counts = counted(layouts("tp2-sp-selective-ac"))
     same_bytes = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     for block in ("GPTTask.model.blocks.0", "GPTTask.model.blocks.1"):
         assert counts[block] == {"forward": same_bytes, "backward": same_bytes}
@@ -158,9 +168,10 @@ def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(layouts)
         ["strategy=zero3", "trainer.activation_checkpointing=full"],
         ["strategy=fsdp", "trainer.compile=true", "trainer.activation_checkpointing=selective"],
         [
-            "strategy=tensor",
+            "strategy=fsdp_tp",
             "strategy.sequence_parallel=true",
             "trainer.activation_checkpointing=full",
+            "trainer.devices=4",
         ],
         ["strategy=tensor", "trainer.compile=true", "trainer.activation_checkpointing=selective"],
     ],
@@ -168,12 +179,14 @@ def test_sequence_parallel_blocks_all_gather_and_reduce_scatter_instead(layouts)
         "ddp-compile-full",
         "zero3-full",
         "fsdp-compile-selective",
-        "tp2-sp-full",
+        "fsdp2xtp2-sp-full",
         "tp2-compile-sel",
     ],
 )
 def test_activation_checkpointing_and_compile_keep_the_losses(args, single, workdir):
+    # the global batch of gpt8: tensor-parallel ranks share theirs, the others add theirs up
     per_rank = "task.data.batch_size=8" if "strategy=tensor" in args else "task.data.batch_size=4"
+    devices = [] if any(a.startswith("trainer.devices=") for a in args) else ["trainer.devices=2"]
     probe = [
         "+callbacks.probe._target_=tests.tasks.TransformProbe",
         f"+callbacks.probe.out={workdir}",
@@ -181,7 +194,7 @@ def test_activation_checkpointing_and_compile_keep_the_losses(args, single, work
     train(
         *args,
         per_rank,
-        "trainer.devices=2",
+        *devices,
         *GPT,
         "callbacks=none",
         *probe,
@@ -196,17 +209,6 @@ def test_activation_checkpointing_and_compile_keep_the_losses(args, single, work
         assert (seen["graphs"] > 0) == ("trainer.compile=true" in args), seen
         if "strategy=fsdp" in args:
             assert seen["fsdp_units"] == ["GPT", "TransformerBlock", "TransformerBlock"], seen
-
-
-def test_full_checkpointing_recomputes_collectives_and_selective_keeps_them(workdir):
-    """Proof the blocks are checkpointed: recomputing a tp block's forward in backward repeats
-    its all-reduce; the selective policy saves collective outputs instead."""
-    tp = ["strategy=tensor", "trainer.devices=2", *GPT]
-    full = comm_counts(workdir, *tp, "trainer.activation_checkpointing=full")
-    assert full["GPTTask.model.blocks.0"]["backward"]["all_reduce"] > 2
-    (workdir / "comm.json").unlink()
-    selective = comm_counts(workdir / "run", *tp, "trainer.activation_checkpointing=selective")
-    assert selective["GPTTask.model.blocks.0"]["backward"] == {"all_reduce": 2}
 
 
 def test_a_custom_model_with_a_plan_in_the_config_matches_one_process(single, workdir):
@@ -234,13 +236,13 @@ def tp2(tmp_path_factory):
 
 ONE = ["strategy=ddp", "trainer.devices=1", "task.data.batch_size=16"]
 FSDP2XTP2 = ["strategy=fsdp_tp", "trainer.devices=4", "task.data.batch_size=8"]
-# each move continues tp2's run: (the layout it continues in, the step it trains to); the first
-# two are one run, tp2 -> one process -> fsdp2xtp2; out of a 2-D mesh: test_moe.py's
-# ep2-to-one-process and test_moves.py's fsdp moves
+# each move continues tp2's run: (the layout it continues in, the step it trains to), one run
+# tp2 -> one process -> fsdp2xtp2; out of a 2-D mesh: test_moe.py's ep2-to-one-process and
+# test_moves.py's fsdp moves; a resume into the same tensor-parallel layout (no move):
+# test_hf_resume.py's kill -9 under fsdp_tp, bitwise
 MOVES = {
     "tp2-to-one-process": (ONE, 15),
     "one-process-to-fsdp2xtp2": (FSDP2XTP2, 20),
-    "tp2-to-tp2": (TP2, 20),
 }
 
 
@@ -250,11 +252,9 @@ def moved(tp2, tmp_path_factory):
     root = tmp_path_factory.mktemp("moved")
     save = ["callbacks.checkpoint.every_n_steps=5"]
     done = {}
+    run = root / "run"
+    shutil.copytree(tp2, run, symlinks=True)
     for move, (layout, steps) in MOVES.items():
-        run = root / "run"
-        if move != "one-process-to-fsdp2xtp2":  # that one goes on from tp2-to-one-process
-            shutil.rmtree(run, ignore_errors=True)
-            shutil.copytree(tp2, run, symlinks=True)
         err = train(*layout, *GPT, *save, f"trainer.max_steps={steps}", "run.dir=run", cwd=root)
         shutil.copytree(run, root / move, symlinks=True)
         done[move] = (err, root / move)
@@ -264,16 +264,18 @@ def moved(tp2, tmp_path_factory):
 @pytest.mark.parametrize("move", list(MOVES))
 def test_resume_into_another_layout_continues_the_same_run(move, moved, single):
     (err, run), steps = moved[move], MOVES[move][1]
-    assert_resumed(err, run, steps, moved=move != "tp2-to-tp2")
+    assert_resumed(err, run, steps, moved=True)
     got, want = losses(run), single["gpt16"]
     assert sorted(got) == list(range(steps))
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
 
 
 def test_export_of_a_tensor_parallel_checkpoint_equals_the_one_process_model(single, tp2, workdir):
-    assert fw("export", str(tp2), "tp.pt", cwd=workdir).returncode == 0
+    from framework.cli import main  # `fw export` in this process: its start-up is paid elsewhere
+
+    assert main(["export", str(tp2), str(workdir / "tp.pt")]) == 0
     ref = single["root"] / "gpt16" / "checkpoints" / "step00000010"
-    assert fw("export", str(ref), "one.pt", cwd=workdir).returncode == 0
+    assert main(["export", str(ref), str(workdir / "one.pt")]) == 0
     a = torch.load(workdir / "tp.pt", weights_only=True)
     b = torch.load(workdir / "one.pt", weights_only=True)
     assert a.keys() == b.keys() and "model.blocks.0.attn.qkv.weight" in a
