@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.conftest import fw
+from tests.distributed.conftest import CORPUS
 from tests.distributed.test_prepared import contents
 
 pytestmark = pytest.mark.slow
-CORPUS = ["task=gpt", "task.data.max_bytes=1500000", "task.data.chunk_bytes=60000"]
 
 
 def prepare(out: Path, *extra: str, cwd: Path):
@@ -37,11 +37,10 @@ def ray_processes() -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> dict:
-    """The corpus prepared once by each engine (the only Ray run of this module)."""
+def prepared(tmp_path_factory, prepared_corpus) -> dict:
+    """The corpus prepared once by each engine (the only Ray run of this module; the local
+    engine's: tests/distributed/conftest.py, shared with test_prepared.py)."""
     root = tmp_path_factory.mktemp("engines")
-    local = prepare(root / "local", cwd=root)
-    assert local.returncode == 0, local.stderr[-3000:]
     before = ray_processes()
     ray = prepare(root / "ray", "--engine", "ray", cwd=root)
     assert ray.returncode == 0, ray.stderr[-3000:]
@@ -49,7 +48,7 @@ def prepared(tmp_path_factory) -> dict:
     while ray_processes() - before and time.monotonic() < deadline:
         time.sleep(0.2)
     left = ray_processes() - before
-    return {"local": root / "local", "ray": root / "ray", "left": left, "root": root}
+    return {"local": prepared_corpus, "ray": root / "ray", "left": left, "root": root}
 
 
 def test_the_ray_engine_writes_the_local_engines_blocks_and_bytes(prepared):
