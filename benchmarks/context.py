@@ -9,14 +9,15 @@ Three sections (`--section steps|fit|llama|all`, default all):
   and each rank's peak RSS rise over its RSS at the start of training (the PeakMemory callback
   below), with both as ratios to cp=1.
 - fit: the longest block_size each layout fits in a fixed per-process budget (`--budget`,
-  default 1 GiB), by `fw check` on the fake backend (the worst rank's params + grads +
-  optimizer + activations): doubling from 1024, then halving the gap to a step of 256.
+  default 1 GiB), 2 sequences per data rank in every layout (a cp=2 rank holds half of each),
+  by `fw check` on the fake backend (the worst rank's params + grads + optimizer +
+  activations): doubling from 1024, then halving the gap to a step of 256.
 - llama: the longest sequence one H100 (80 GiB, 90% usable as `fw plan` counts it) holds for a
   Llama-3-8B shape (transformers LlamaConfig: 32 layers, hidden 4096, MLP 14336, 32 heads, 8
   key/value heads, vocabulary 128256) over 8 ranks: strategy=fsdp (parameters, gradients and
   optimizer states sharded over the 8), cp = 1, 2, 4, 8 (ring), bf16-mixed, full activation
-  checkpointing, one sequence per data rank; `fw check` on the fake backend, powers of two then
-  one bisection step.
+  checkpointing, one sequence per data rank; `fw check` on the fake backend, doubling from 8192
+  positions, then halving the gap to 8192 x cp (searched up to 1M positions).
 
 Results: benchmarks/results/context.json. Run from the repository root:
 `python -m benchmarks.context` (or `make bench`).
@@ -138,7 +139,8 @@ def worst_bytes(overrides: list[str]) -> float | None:
 
     try:
         return float(check(overrides, quick=True).worst.total)
-    except ConfigError:
+    except ConfigError as err:
+        print(f"  refused: {str(err)[:300]}", flush=True)
         return None
 
 
@@ -167,12 +169,14 @@ def longest(fits, start: int, step: int, limit: int) -> int:
 def fit_section(budget: float) -> dict[str, dict]:
     """The longest block_size each layout of `LAYOUTS` fits in `budget` bytes per process."""
     found = {}
-    for name, layout, rows in LAYOUTS:
+    rows = 2  # sequences per data rank in every layout: a cp rank holds half of each
+    for name, layout, _ in LAYOUTS:
         seen: dict[int, float | None] = {}
 
-        def fits(block: int, layout=layout, rows=rows, seen=seen) -> bool:
+        def fits(block: int, layout=layout, seen=seen) -> bool:
             args = [*GPT, f"task.model.block_size={block}", f"task.data.batch_size={rows}"]
-            args += ["trainer.devices=2", "task.data.max_bytes=4000000", *layout]
+            args += ["trainer.devices=2", f"task.data.max_bytes={4 * rows * (block + 1)}"]
+            args += ["task.data.val_fraction=0.5", *layout]
             seen[block] = worst_bytes(args)
             return seen[block] is not None and seen[block] <= budget
 
@@ -204,7 +208,8 @@ def llama_section(cps=(1, 2, 4, 8)) -> dict[str, dict]:
                 f"task.model.config={{{config}}}",
                 f"task.data.block_size={seq}",
                 "task.data.batch_size=1",
-                f"task.data.max_bytes={4 * seq + 4096}",
+                f"task.data.max_bytes={11 * (seq + 1)}",  # 8 training sequences, 1 held out
+                "task.data.val_fraction=0.1",
                 "trainer.precision=bf16-mixed",
                 "trainer.activation_checkpointing=full",
                 "trainer.devices=8",
@@ -218,7 +223,7 @@ def llama_section(cps=(1, 2, 4, 8)) -> dict[str, dict]:
             print(f"  llama-3-8b cp={cp} seq {seq}: {shown} ({took:.0f} s)", flush=True)
             return seen[seq] is not None and seen[seq] <= device
 
-        best = longest(fits, 8192, 8192 * cp, 1 << 21)
+        best = longest(fits, 8192, 8192 * cp, 1 << 20)
         found[f"cp={cp}"] = {"longest_sequence": best, "checked_gib": {
             str(k): None if v is None else round(v / GIB, 2) for k, v in sorted(seen.items())
         }}  # fmt: skip
@@ -230,6 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--section", default="all", choices=["steps", "fit", "llama", "all"])
     parser.add_argument("--budget", default="1GiB", help="per-process memory of the fit section")
+    parser.add_argument("--blocks", default="1024,2048", help="block sizes of the steps section")
     args = parser.parse_args()
     from framework.perf import parse_memory
 
@@ -240,7 +246,7 @@ def main() -> None:
         old = json.loads(path.read_text())
         results = {k: v for k, v in old.items() if k in ("steps", "fit", "llama")}
     if args.section in ("steps", "all"):
-        results["steps"] = {str(b): run_steps(b) for b in (1024, 2048)}
+        results["steps"] = {b: run_steps(int(b)) for b in args.blocks.split(",")}
     if args.section in ("fit", "all"):
         budget = parse_memory("--budget", args.budget)
         results["fit"] = {"budget_gib": budget / GIB, "layouts": fit_section(budget)}
