@@ -21,6 +21,7 @@ COMMON = [*QUIET, "trainer.deterministic=true", "trainer.log_every_n_steps=1", "
 CP2 = ["strategy=fsdp", "strategy.cp=2"]
 GRADS = ["+callbacks.grads._target_=tests.tasks.StepGrads"]  # grads-rank{r}.pt at step 1
 TEN = "trainer.max_steps=10"
+VAL10 = "trainer.val_check_interval=10"
 MOE = [
     "experiment=moe_gpt_tiny",
     "task.scheduler.name=constant",
@@ -41,9 +42,11 @@ RUNS = {
             "strategy.cp_mode=ulysses",
             "trainer.devices=2",
             "task.data.batch_size=8",
+            TEN,
+            VAL10,
         ],
         "masked8",
-        20,
+        10,
     ),
     "cp2xfsdp2": (  # 2 batches of 8 per step: gpt16; checkpoints at 5 and 10 (the kill's)
         [
@@ -79,7 +82,7 @@ RUNS = {
         10,
     ),
     # one-process references of this module (conftest's `one_process` has gpt16)
-    "masked8": ([*GPT, *MASKED, *ONE, "task.data.batch_size=8"], None, 20),
+    "masked8": ([*GPT, *MASKED, *ONE, "task.data.batch_size=8", TEN, VAL10], None, 10),
     "moe16": ([*MOE, *ONE, "task.data.batch_size=16"], None, 10),
 }
 GRADS_OF = {"ulysses": "masked8", "pp2xcp2": "masked8", "cp2xep2": "moe16"}
