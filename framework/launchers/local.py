@@ -21,7 +21,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +31,7 @@ from framework import checkpointing
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, ConfigError
 from framework.launchers import rendezvous
+from framework.launchers.preload import Preload
 from framework.launchers.restarts import WorkerFailure, after, record_restart, with_restarts
 from framework.watchdog import HEARTBEAT_ENV, WATCHED, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
@@ -108,9 +108,10 @@ class Config:
         True,
         "On one machine, start workers the quick way: the workers' agent takes the store this "
         "process holds at once (not torch's dynamic rendezvous, which waits 0-0.3 s at random "
-        "each start), forked workers get config.yaml as read here, and the modules a start's "
-        "workers imported are imported here while they train, so a restart's workers find "
-        "them; false: as before, to compare (benchmarks/kill_campaign.py --compare).",
+        "each start), forked workers get config.yaml as read here, and (when the job can start "
+        "again: max_restarts > 0 or min_nodes) the modules a start's workers imported are "
+        "imported here while they train, so a restart's workers find them; false: as before, "
+        "to compare (benchmarks/kill_campaign.py --compare).",
     )
     start_method: str = doc(
         "auto",
@@ -395,7 +396,9 @@ def start_workers(
     entrypoint, args = entry
     if watch is not None:
         watch.start()
-    preload = Preload(beats) if method == "fork" and cfg.fast_start else None
+    # only a job that can start again gains from it (a restart, an elastic generation)
+    restartable = cfg.max_restarts > 0 or elastic(cfg, world)
+    preload = Preload(beats) if method == "fork" and cfg.fast_start and restartable else None
     if preload is not None:
         preload.start()
     try:
@@ -421,45 +424,6 @@ def start_workers(
             watchdog.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
     return None
-
-
-class Preload:
-    """While forked workers train: a thread that imports in this process the modules their
-    local rank 0 named once its Trainer was built (framework.worker.name_modules), so that the
-    workers of a restart, forked from this process, find them imported (about 0.2 s of each
-    worker's start, measured with the kill campaign; the first start is unchanged)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fw-preload", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=60)
-
-    def _run(self) -> None:
-        import importlib
-
-        from framework.worker import MODULES_FILE
-
-        path = self.directory / MODULES_FILE
-        while not path.exists():
-            if self._stop.wait(0.2):
-                return
-        for name in path.read_text().split():
-            if self._stop.is_set():
-                return
-            if name in sys.modules or name.startswith("__"):
-                continue
-            # one the fw process cannot import (a worker-only path, a module that insists on
-            # the main thread) is left to the workers, as without this
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
 
 
 def preempted_message(run_dir: Path) -> str:

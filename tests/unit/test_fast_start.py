@@ -8,7 +8,7 @@ import time
 from datetime import timedelta
 
 from framework.launchers import rendezvous
-from framework.launchers.local import Preload
+from framework.launchers.preload import Preload
 from framework.worker import MODULES_FILE
 
 
