@@ -7,8 +7,9 @@ import contextlib
 import logging
 import os
 import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,23 +61,33 @@ def probe(address: str, key: str, timeout_s: float) -> None:
 
 
 def ask_gcs(address: str, timeout_s: float) -> str | None:
-    """None when the GCS at `address` tells its cluster id within `timeout_s`, else why not
-    (asked from a thread: Ray's client retries a silent server for much longer)."""
-    from ray._raylet import GcsClient
+    """None when the GCS at `address` tells its cluster id within `timeout_s`, else why not.
+    Asked from a child process, killed at the deadline: Ray's client retries a silent server for
+    much longer, and a client thread left inside Ray's native code when `fw` exits can crash
+    the interpreter's shutdown (exit -11 after the refusal was printed)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _ASK_GCS, address],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return "no answer"
+    if done.returncode == 0:
+        return None
+    return done.stdout.strip() or f"the probe exited with {done.returncode}"
 
-    answers: list[str | None] = []
 
-    def ask() -> None:
-        try:
-            GcsClient(address=address)
-            answers.append(None)
-        except Exception as err:  # noqa: BLE001 - any failure means: not a cluster we can join
-            answers.append(str(err).splitlines()[0][:200] or type(err).__name__)
-
-    thread = threading.Thread(target=ask, name="fw-ray-probe", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return answers[0] if answers else "no answer"
+_ASK_GCS = """
+import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1])
+except Exception as err:  # any failure means: not a cluster we can join
+    print((str(err).splitlines() or [type(err).__name__])[0][:200] or type(err).__name__)
+    sys.exit(1)
+"""
 
 
 def connect(address: str, key: str, world: World, cfg: Config) -> None:
