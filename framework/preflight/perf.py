@@ -10,7 +10,7 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   on one whole replica's step on the per-rank batch with fake tensors, with the counter
   `callbacks.throughput` uses (`framework.perf.flop_counter`'s formulas); a rank computes 1/(tp
   x pp) of it (tensor parallel splits every matmul, a pipeline the layers).
-- communication: the bytes per collective the plan lists (plan.traffic: the plugin's
+- communication: the bytes per collective the plan lists (traffic.traffic: the plugin's
   data-parallel bytes, 4bsh per layer for tensor parallel, 2bsh per stage boundary, the
   experts' all-to-all, context parallel's K/V), each over the link its group crosses
   (tensor parallel ranks are adjacent and stay within a node; a data-parallel group crosses
@@ -194,7 +194,7 @@ def collective_s(nbytes: float, count: int, ranks: int, link, latency_rounds: bo
 
 
 def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
-    """The step of one rank under `layout` (plan.layout_facts: degrees, groups, bytes, model
+    """The step of one rank under `layout` (traffic.layout_facts: degrees, groups, bytes, model
     states, schedule) on `device`."""
     tp, pp = layout["tp"], layout["pp"]
     share = tp * pp
@@ -242,7 +242,7 @@ def exposed_comm(layout: dict[str, Any], device: Device, compute_s: float) -> fl
     pipe = 0.0
     if p2p:
         pipe = p2p / (link.gb_per_s * 1e9) + layout["pipeline_sends"] * link.latency_s
-    # context parallel's K/V: the bytes that leave the rank (plan.context_bytes), blocking
+    # context parallel's K/V: the bytes that leave the rank (traffic.context_bytes), blocking
     kv = traffic.get("context", 0.0)
     if kv:
         link = link_of("context", layout, device)

@@ -1,5 +1,5 @@
 """Context parallel's K/V traffic: the bytes `fw plan` reports per layer per step
-(framework/preflight/plan.py, `context_bytes`) are the issue's formulas, and they are what the
+(framework/preflight/traffic.py, `context_bytes`) are the issue's formulas, and they are what the
 context-parallel attention actually hands its collectives, counted by wrapping them (one rank of
 a fake process group, fake tensors: in this process, no data moves)."""
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from framework.nn import context
 from framework.preflight.fakes import fake_mode, fake_world
-from framework.preflight.plan import context_bytes
+from framework.preflight.traffic import context_bytes
 
 B, S, H, D = 2, 32, 4, 8  # rows, sequence, query heads, head_dim
 
@@ -79,10 +79,10 @@ def test_attention_sends_what_the_plan_reports(monkeypatch, cp, mode, kv, dtype)
 
 
 def test_fw_plan_counts_the_kv_bytes_of_every_layer():
-    """The bytes column of `fw plan` (plan.traffic) holds every layer's K/V bytes: gpt, 2
+    """The bytes column of `fw plan` (traffic.traffic) holds every layer's K/V bytes: gpt, 2
     layers, 4 heads of 16, 4 sequences of 64 positions, fp32, ring over cp=2."""
     from framework.preflight.check import check
-    from framework.preflight.plan import traffic
+    from framework.preflight.traffic import traffic
 
     gpt = ["task=gpt", "task.model.n_layer=2", "task.model.n_embd=64", "task.model.n_head=4"]
     shape = ["task.model.block_size=64", "task.data.batch_size=4", "task.data.max_bytes=20000"]
