@@ -237,16 +237,17 @@ def test_bad_settings_are_refused_before_launch(args, says, workdir, monkeypatch
 
 
 def test_fw_check_divides_activations_by_cp():
-    """fw check simulates a cp rank on its chunks: at cp=2 its activations are at most 0.55x
-    those of cp=1 (the same batch per rank; measured 0.52x)."""
+    """fw check simulates a cp rank on its chunks: for gpt at block_size 2048 its activations
+    at cp=2 and cp=4 are at most 0.55x and 0.30x those of cp=1 (the same batch per rank, 4
+    processes each)."""
     from framework.preflight.check import check
 
-    gpt = ["task=gpt", "task.model.n_layer=2", "task.model.n_embd=64", "task.model.n_head=2"]
-    base = [*gpt, "task.model.block_size=1024", "task.data.batch_size=4", "strategy=fsdp"]
+    gpt = ["task=gpt", "task.model.n_layer=2", "task.model.n_embd=64", "task.model.n_head=4"]
+    base = [*gpt, "task.model.block_size=2048", "task.data.batch_size=2", "strategy=fsdp"]
+    base += ["task.data.max_bytes=200000", "trainer.devices=4"]
     per_rank = {
-        cp: max(
-            r.activations for r in check([*base, "trainer.devices=2", f"strategy.cp={cp}"]).ranks
-        )
-        for cp in (1, 2)
+        cp: max(r.activations for r in check([*base, f"strategy.cp={cp}"], quick=True).ranks)
+        for cp in (1, 2, 4)
     }
     assert per_rank[2] <= 0.55 * per_rank[1], per_rank
+    assert per_rank[4] <= 0.30 * per_rank[1], per_rank
