@@ -173,6 +173,8 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
         "pipeline_sends": 2 * micro * virtual,
         "context_collectives": context_collectives(report, cp) * max(1, n_layer // pp) * micro,
         "state_bytes": {"params": worst.params, "grads": worst.grads, "optimizer": worst.optimizer},
+        # each simulated rank's host calls per step (simulate.RankMemory.host; perf's host term)
+        "host_counts": [r.host for r in report.ranks],
     }
 
 
