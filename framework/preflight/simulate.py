@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,9 @@ class RankMemory:
     activations: int  # at forward and backward's peak, times a pipeline's microbatches in flight
     optimizer_step: int = 0  # what the optimizer's step allocates and frees (Adam's temporaries)
     note: str = ""
+    # calls that cost the host time (framework.preflight.perf.host_counting): forward and
+    # backward of one microbatch, and the optimizer step's with the prefix optimizer_
+    host: dict[str, int] = field(default_factory=dict)
 
     @property
     def model_states(self) -> int:
