@@ -237,11 +237,17 @@ def build(cfg: Config, plan: JobPlan):
 
 
 def run_elastic(
-    cfg: Config, world: World, method: str, config_path: Path, resume_from: Path | None
+    cfg: Config,
+    world: World,
+    method: str,
+    config_path: Path,
+    resume_from: Path | None,
+    signals: list[int] | None = None,
 ) -> None:
     """The workers of an elastic job, one generation after another (framework.launchers.
     elastic): after a lost node on the nodes left, after a node came back on all of them, each
-    from the newest complete checkpoint, each change counted against max_restarts."""
+    from the newest complete checkpoint, each change counted against max_restarts. `signals`:
+    the preemption signals this process passed on are appended there."""
     from framework.launchers.elastic import Watch, come_back
 
     token = rendezvous.job_token(cfg.rdzv_token)
@@ -260,7 +266,7 @@ def run_elastic(
         watch = Watch(generations, generation, signal_workers)
         meeting = (f"{generations.name}-g{generation}", fewest, watch)
         try:
-            with forward_signals(PREEMPT_SIGNALS):
+            with forward_signals(PREEMPT_SIGNALS, signals):
                 args = worker_args(method, config_path, resume_from)
                 failure = start_workers(cfg, world, method, args, run_dir, meeting)
         finally:
@@ -295,11 +301,14 @@ def worker_args(
 
 
 @contextlib.contextmanager
-def forward_signals(signums):
-    """While workers run, pass SIGTERM/SIGUSR1/SIGUSR2 on (they checkpoint, then exit 75)."""
+def forward_signals(signums, seen: list[int] | None = None):
+    """While workers run, pass SIGTERM/SIGUSR1/SIGUSR2 on (they checkpoint, then exit 75);
+    each one passed on is appended to `seen`."""
     previous = {s: signal.getsignal(s) for s in signums}
 
     def forward(signum, frame):
+        if seen is not None:
+            seen.append(signum)
         signal_workers(signum)
 
     for s in signums:
