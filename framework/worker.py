@@ -214,6 +214,10 @@ def make_trainer(
         trainer_args["max_epochs"] = -1 if trainer_cfg.max_steps > 0 else 1
     if trainer_cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+    if "profiler" not in trainer_args:  # no profiler asked for: the no-op one, minus its cost
+        from framework.callbacks._hooks import QuietProfiler
+
+        trainer_args["profiler"] = QuietProfiler()
     return pl.Trainer(
         accelerator="cuda" if world.is_cuda else "cpu",
         devices=world.devices,

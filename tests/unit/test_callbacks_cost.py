@@ -168,3 +168,32 @@ def test_lightning_passes_by_the_hooks_a_callback_has_nothing_to_do_in():
     assert used(monitor) == set()
     checkpointer = Checkpointer(SimpleNamespace(), SimpleNamespace(run_dir=Path("unused")))
     assert used(checkpointer) == {"on_train_batch_start", "on_train_batch_end"}
+
+
+@pytest.mark.parametrize("asked", [None, "simple"])
+def test_fw_trainer_builds_no_profiler_context_per_hook(asked, tmp_path):
+    """Lightning wraps each hook it calls (about 29 a step) in `trainer.profiler.profile(name)`.
+    With `trainer.profiler` unset, fw's Trainer hands out one shared no-op context, where
+    Lightning's default would build a context manager per call; a profiler asked for is
+    Lightning's own, and a few steps train under either."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+    from omegaconf import OmegaConf
+
+    from framework.config.schema import TrainerConfig
+    from framework.worker import make_trainer
+
+    cfg = OmegaConf.structured(TrainerConfig)
+    cfg.profiler, cfg.max_steps, cfg.enable_progress_bar = asked, 3, False
+    cfg.enable_model_summary = False
+    world = SimpleNamespace(is_cuda=False, devices=1, num_nodes=1)
+    trainer = make_trainer(cfg, world, "auto", [], [], tmp_path, own_order=False)
+    if asked is None:
+        assert isinstance(trainer.profiler, PassThroughProfiler)  # records nothing, as before
+        assert trainer.profiler.profile("a") is trainer.profiler.profile("b")
+    else:
+        assert isinstance(trainer.profiler, SimpleProfiler)
+    trainer.fit(BoringModel())
+    assert trainer.global_step == 3
+    assert isinstance(trainer, pl.Trainer)
