@@ -46,6 +46,7 @@ Run from the repository root: `python -m benchmarks.overhead` (or `make bench`).
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import json
 import os
@@ -195,13 +196,16 @@ LIGHTNING = (
 )
 
 
-def run_lightning(workdir: Path, size: Size) -> tuple[float, float, float]:
+def run_lightning(
+    workdir: Path, size: Size, code: str = LIGHTNING, env: dict = ENV
+) -> tuple[float, float, float]:
     """Train with benchmarks/plain_lightning.py; step_figures."""
+    workdir.mkdir(parents=True, exist_ok=True)
     times = workdir / "times.json"
     command = [
         sys.executable,
         "-c",
-        LIGHTNING,
+        code,
         f"--hidden={size.hidden}",
         f"--batch-size={size.batch_size}",
         f"--max-steps={size.steps}",
@@ -209,7 +213,7 @@ def run_lightning(workdir: Path, size: Size) -> tuple[float, float, float]:
         f"--root={workdir}",
         "--bare",
     ]
-    run_checked(command, "plain Lightning", env=ENV)
+    run_checked(command, "plain Lightning", env=env)
     return step_figures(json.loads(times.read_text()), size)
 
 
@@ -318,6 +322,10 @@ def summarise(size: Size, runs: dict[str, list[tuple]], diffs: list[float]) -> d
             "ratio_fw_over_plain": fw / plain,
             "ratio_lightning_over_plain": lightning / plain,
             "ratio_fw_over_lightning": fw / lightning,
+            # the median of each repeat's ratio of neighbouring runs (see measure)
+            "ratio_fw_over_lightning_paired": statistics.median(
+                a / b for a, b in zip(ms["fw"], ms["lightning"], strict=True)
+            ),
             "cost_ms_per_step": {
                 side: paired_cost(runs, side, i) for side in runs if side.startswith("fw ")
             },
@@ -330,11 +338,15 @@ def summarise(size: Size, runs: dict[str, list[tuple]], diffs: list[float]) -> d
     return out
 
 
-def measure(task, measured: dict[str, Size], variants: dict[str, dict[str, list[str]]]):
-    """Every side of every size, REPEATS times in turn; (runs, weight differences)."""
+def measure(
+    task, measured: dict[str, Size], variants: dict[str, dict[str, list[str]]], repeats: int
+):
+    """Every side of every size, `repeats` times in turn; (runs, weight differences). In each
+    repeat plain Lightning runs right after fw with its defaults (the host's speed drifts over
+    seconds: the pair's ratio is taken from neighbouring runs), then fw's other variants."""
     runs = {name: {side: [] for side in [*variants[name], *PLAIN_SIDES]} for name in measured}
     diffs: dict[str, list[float]] = {name: [] for name in measured}
-    for repeat in range(REPEATS):
+    for repeat in range(repeats):
         for name, size in measured.items():
             with tempfile.TemporaryDirectory(prefix="fw-bench-") as tmp:
                 weights = {}
@@ -342,12 +354,13 @@ def measure(task, measured: dict[str, Size], variants: dict[str, dict[str, list[
                     workdir = Path(tmp) / re.sub(r"[^\w-]", "_", side)  # no "=" in a Hydra value
                     figures, weights[side] = run_fw(workdir, size, overrides)
                     runs[name][side].append(figures)
+                    if side == "fw":
+                        runs[name]["lightning"].append(run_lightning(Path(tmp) / "pl", size))
                 figures, plain_weights = run_plain(task, size)
                 runs[name]["plain"].append(figures)
-                runs[name]["lightning"].append(run_lightning(Path(tmp), size))
             diffs[name].append(max_difference(weights["fw"], plain_weights))
             print(
-                f"run {repeat + 1}/{REPEATS} {name} (load {load_average()}): "
+                f"run {repeat + 1}/{repeats} {name} (load {load_average()}): "
                 + ", ".join(f"{k} {v[-1][0]:.3f}/{v[-1][1]:.3f}" for k, v in runs[name].items())
                 + " ms (wall/cpu)",
                 flush=True,
@@ -355,12 +368,39 @@ def measure(task, measured: dict[str, Size], variants: dict[str, dict[str, list[
     return runs, diffs
 
 
-def profile(size: Size) -> list[dict]:
-    """One more fw run with the default callbacks at `size`, profiled; profile_table."""
+def calls_per_step(path: Path, steps: int) -> float:
+    """Python function calls per profiled step, every module's (the profile at `path`)."""
+    return sum(calls for _, calls, _, _, _ in pstats.Stats(str(path)).stats.values()) / steps
+
+
+class ProfiledStepTimer(CpuStepTimer):
+    """plain_lightning.py's StepTimer with StepProfile's cProfile inside it (the Lightning
+    script takes no extra callback): the statistics go to $BENCH_PROFILE."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps = StepProfile(os.environ["BENCH_PROFILE"], int(os.environ["BENCH_START"]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.steps.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
+def profile(size: Size) -> tuple[list[dict], dict[str, float]]:
+    """One more run of fw with the default callbacks and one of plain Lightning at `size`, both
+    profiled over the same steps (each with its step timer); (profile_table of fw, Python calls
+    per step of each). Calls are counted, not timed: the machine's load does not change them."""
+    steps = size.steps - 1 - size.warmup
     with tempfile.TemporaryDirectory(prefix="fw-bench-") as tmp:
         path = Path(tmp) / "steps.prof"
         run_fw(Path(tmp), size, profile=path)
-        return profile_table(path, size.steps - 1 - size.warmup)
+        top, calls = profile_table(path, steps), {"fw": calls_per_step(path, steps)}
+        lightning = Path(tmp) / "lightning.prof"
+        env = {**ENV, "BENCH_PROFILE": str(lightning), "BENCH_START": str(size.warmup)}
+        code = LIGHTNING.replace("overhead.CpuStepTimer", "overhead.ProfiledStepTimer")
+        run_lightning(Path(tmp) / "pl", size, code=code, env=env)
+        calls["lightning"] = calls_per_step(lightning, steps)
+    return top, calls
 
 
 def print_tables(measured: dict[str, Size], summary: dict, top: list[dict]) -> None:
@@ -388,7 +428,15 @@ def print_tables(measured: dict[str, Size], summary: dict, top: list[dict]) -> N
         print(f"{f'page faults/step, {side}':34}{cells}")
     cells = "".join(f"{s['max_abs_weight_difference']:>24.2e}" for s in summary.values())
     print(f"{'max |weights fw - plain|':34}{cells}")
+    cells = "".join(
+        f"{s[clock]['ratio_fw_over_lightning_paired']:>24.3f}"
+        for s in summary.values()
+        for clock in CLOCKS[:1]
+    )
+    print(f"{'fw / Lightning, paired median':34}{cells}")
     print(f"target: fw / Lightning <= {TARGET_RATIO} at both sizes")
+    if not top:
+        return
     print("\nprofile of fw's steps (default size, cProfile): framework/ by cumulative time")
     print(f"{'us/step':>9} {'own':>7} {'calls':>6}  function")
     for row in top:
@@ -398,7 +446,20 @@ def print_tables(measured: dict[str, Size], summary: dict, top: list[dict]) -> N
         )
 
 
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="alternating repeats")
+    parser.add_argument(
+        "--baselines-only",
+        action="store_true",
+        help="fw with its defaults, plain PyTorch and plain Lightning only: no per-callback "
+        "columns and no profile (more repeats in the same time, for fw / Lightning alone)",
+    )
+    return parser.parse_args()
+
+
 def main() -> None:
+    args = arguments()
     load_at_start = load_average()
     task = OmegaConf.load(ROOT / "conf" / "task" / "digits.yaml")
     torch.set_num_threads(THREADS)  # as many intra-op threads as fw and Lightning get (ENV)
@@ -406,25 +467,31 @@ def main() -> None:
     every = fw_sides(default_callbacks())
     # a callback's fixed cost shows at the default size; at the large size it is within noise
     variants = {
-        "default": every,
+        "default": {"fw": every["fw"]} if args.baselines_only else every,
         "large": {"fw": every["fw"]},
     }
-    runs, diffs = measure(task, measured, variants)
+    runs, diffs = measure(task, measured, variants, args.repeats)
     summary = {name: summarise(size, runs[name], diffs[name]) for name, size in measured.items()}
-    top = profile(measured["default"])
+    top, calls = profile(measured["default"])
     print()
-    print_tables(measured, summary, top)
+    print_tables(measured, summary, [] if args.baselines_only else top)
+    print(
+        "\nPython calls per step (default size, cProfile over the same steps, counted): "
+        + ", ".join(f"{side} {n:.0f}" for side, n in calls.items())
+    )
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     results = {
         "task": "digits",
-        "repeats": REPEATS,
+        "repeats": args.repeats,
         "threads": THREADS,
         "malloc_environment": malloc,
         "target_ratio_fw_over_lightning": TARGET_RATIO,
         "sizes": summary,
         "profile_default_size": top,
+        "python_calls_per_step_default_size": calls,
     }
-    save_results("overhead_malloc" if malloc else "overhead", results, load_at_start)
+    name = "overhead_malloc" if malloc else "overhead"
+    save_results(name + ("_baselines" if args.baselines_only else ""), results, load_at_start)
 
 
 if __name__ == "__main__":
