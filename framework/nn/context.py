@@ -31,6 +31,7 @@ take) is the group's token mean.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +75,15 @@ class ContextPlan:
         if torch.is_tensor(batch):
             if batch.dim() < 2:
                 return batch
-            index = zigzag_index(batch.shape[1], self.size, self.rank, batch.device)
+            length = batch.shape[1]
+            if length % (2 * self.size):
+                raise ValueError(
+                    f"context parallel (strategy.cp={self.size}) splits each sequence into "
+                    f"2 x cp = {2 * self.size} equal chunks: a batch of sequences of {length} "
+                    f"positions ({tuple(batch.shape)}) does not split; give the data module "
+                    f"a sequence length that is a multiple of {2 * self.size}"
+                )
+            index = zigzag_index(length, self.size, self.rank, batch.device)
             return batch.index_select(1, index)
         if isinstance(batch, (list, tuple)):
             return type(batch)(self.split(b) for b in batch)
@@ -161,6 +170,49 @@ def check_lengths(task_class: type, model_args: dict, cp: int) -> None:
                 f"context parallel splits each sequence into 2 x cp = {2 * cp} equal chunks "
                 f"(strategy.cp={cp}), which must divide it",
                 hint=f"Choose a multiple of {2 * cp}, or another strategy.cp.",
+            )
+
+
+# data module arguments read as the length of its sequences, unless the data module names its
+# own by a static `context_parallel_dims(args)` (as a task does for its model's arguments)
+SEQUENCE_KEYS = (
+    "block_size",
+    "length",
+    "seq_len",
+    "seq_length",
+    "sequence_length",
+    "max_seq_len",
+    "max_seq_length",
+    "context_length",
+)
+
+
+def check_data_lengths(data_class: type, data_args: dict, cp: int) -> None:
+    """The sequence lengths the data module's settings give (given or by default) split into
+    2 x cp chunks: those its `context_parallel_dims(args)` names, else its arguments named
+    like a sequence length (SEQUENCE_KEYS). The lengths a batch actually has are checked again
+    at the first step (`ContextPlan.split`)."""
+    declared = getattr(data_class, "context_parallel_dims", None)
+    if declared is not None:
+        lengths = declared(data_args)
+    else:
+        try:
+            parameters = inspect.signature(data_class).parameters.values()
+        except (TypeError, ValueError):
+            parameters = []
+        defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+        given = {**defaults, **data_args}
+        lengths = {k: given[k] for k in SEQUENCE_KEYS if k in given}
+    for key, value in lengths.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value % (2 * cp):
+            raise ConfigError(
+                f"task.data.{key}",
+                value,
+                f"context parallel splits each sequence into 2 x cp = {2 * cp} equal chunks "
+                f"(strategy.cp={cp}), which must divide this sequence length",
+                hint=f"Choose a multiple of {2 * cp}, or another strategy.cp. (If {key} is not "
+                "the sequence length, the data module can name its lengths by a static "
+                "context_parallel_dims(args) returning {setting: length}.)",
             )
 
 

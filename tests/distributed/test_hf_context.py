@@ -1,8 +1,9 @@
 """Context parallel for transformers models (framework/nn/hf_context.py): a plain LightningModule
 holding a Llama (grouped-query attention, rotary positions, transformers' own shifted loss) with
 each sequence split over 2 processes reproduces one process at the same global batch, by ring
-and by ulysses, with no change to the task; a model whose attention cannot be split is refused
-before launch, naming the setting."""
+and by ulysses, with no change to the task; a model whose attention cannot be split, or a data module whose
+sequence length does not split into 2 x cp chunks, is refused before launch, naming the
+setting."""
 
 from __future__ import annotations
 
@@ -70,3 +71,11 @@ def test_attention_that_cannot_be_split_is_refused(family, says, tmp_path, monke
     task = f"task._target_=tests.distributed.test_hf_context.{family}"
     line = refused([task, *PLAIN, *CP2], tmp_path, monkeypatch, capsys)
     assert says in line and "strategy.cp" in line, line
+
+
+def test_sequence_length_that_does_not_split_is_refused(tmp_path, monkeypatch, capsys):
+    """cp=2 cuts every sequence into 4 chunks: the data module's length 18 (RandomTokens'
+    `length`) is refused before launch, not at the first step."""
+    args = ["task._target_=tests.hf_tasks.PlainLlama", *PLAIN, *CP2, "+task.data.length=18"]
+    line = refused(args, tmp_path, monkeypatch, capsys)
+    assert "task.data.length=18" in line and "2 x cp = 4" in line, line

@@ -171,6 +171,11 @@ def context_parallel(cfg: Config, dims: ParallelDims, job: Any) -> None:
 
     task_class = import_target("task._target_", job.task._target_)
     context.check_lengths(task_class, dict(job.task.get("model", {})), dims.cp)
+    data = job.task.get("data", {})
+    if data.get("_target_"):  # the data module's sequence length, where its settings give it
+        data_class = import_target("task.data._target_", data["_target_"])
+        args = {k: v for k, v in data.items() if k != "_target_"}
+        context.check_data_lengths(data_class, args, dims.cp)
     model = model_of(job)
     if hf.models(model):  # transformers models: attention through their registry
         hf_context.check(model, dims.cp, cfg.cp_mode, dims.tp, dims.pp)
