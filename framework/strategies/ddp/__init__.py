@@ -2,6 +2,10 @@
 
 gloo on CPU, NCCL on CUDA. With one process in total it uses Lightning's single-device strategy,
 which runs the same numerics without the wrapper and collective overhead.
+
+With `fault_tolerance=torchft` each `fw train` command is one replica group of one process;
+the groups average their gradients through torchft, go on when one dies and heal it from a live
+peer when it comes back (framework/strategies/ddp/fault_tolerance.py, replica_groups.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 from framework.config.fields import doc
 from framework.config.schema import CollectiveSettings
+from framework.strategies.ddp import fault_tolerance
 from framework.world import World, collective_backend, local_device
 
 
@@ -28,10 +33,28 @@ class Config(CollectiveSettings):
         True, "Gradients alias the all-reduce buckets (saves memory)."
     )
     bucket_cap_mb: int = doc(25, "Size of gradient buckets all-reduced together, in MiB.", min=1)
+    fault_tolerance: str = doc(
+        "none",
+        "torchft: replica groups (one fw train command each) that go on when one dies and heal "
+        "it from a live peer (docs/cluster.md).",
+        fault_tolerance.FAULT_TOLERANCE,
+    )
+    lighthouse: str = doc("", "torchft: the lighthouse's HOST:PORT (torchft_lighthouse).")
+    replica_group: int = doc(0, "torchft: this command's group, 0 .. replica_groups-1.", min=0)
+    replica_groups: int = doc(
+        1, "torchft: the number of groups; each reads its share of the global order.", min=1
+    )
+    min_replicas: int = doc(1, "torchft: the fewest live groups a step commits with.", min=1)
+    fault_timeout_s: int = doc(
+        60,
+        "torchft: seconds a step's all-reduce, commit vote or heal waits on other groups.",
+        min=1,
+    )
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:
     collective_backend(cfg.backend, world)
+    fault_tolerance.validate(cfg, world)
 
 
 def checkpoint_format(cfg: Config, world: World) -> str:
@@ -43,12 +66,18 @@ def check_move(cfg: Config, source: str) -> None:
 
 
 def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
+    if cfg.fault_tolerance == "torchft":  # one process per replica group
+        return cfg.replica_group, cfg.replica_groups
     return world.rank, world.world_size
 
 
 def build(cfg: Config, world: World, inputs):
     from framework.strategies.ddp.strategy import PortableDDP, PortableSingleDevice
 
+    if cfg.fault_tolerance == "torchft":
+        from framework.strategies.ddp.replica_groups import ReplicaGroup
+
+        return ReplicaGroup(cfg, device=local_device(world), inputs=inputs)
     if world.world_size == 1:
         return PortableSingleDevice(device=local_device(world), inputs=inputs)
     backend = collective_backend(cfg.backend, world)

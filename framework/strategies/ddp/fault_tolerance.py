@@ -1,0 +1,106 @@
+"""`strategy=ddp strategy.fault_tolerance=torchft`: the settings and their checks (light: no torch).
+
+Each `fw train` command is one replica group of one process, `strategy.replica_group` of
+`strategy.replica_groups`, with its own run directory; every group names the same torchft
+lighthouse (`strategy.lighthouse`), which forms a quorum of the live groups at each step. The
+Lightning strategy that does the work is framework/strategies/ddp/replica_groups.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+from framework.errors import ConfigError
+from framework.world import World
+
+FAULT_TOLERANCE = ("none", "torchft")
+START_LIGHTHOUSE = (
+    "Start one with torchft's `torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 "
+    "--bind [::]:29510` (installed with the torchft extra) and pass "
+    "strategy.lighthouse=HOST:29510."
+)
+
+
+def lighthouse_url(address: str) -> str:
+    """`HOST:PORT` or `http://HOST:PORT` as the URL torchft's Manager takes."""
+    return address if "://" in address else f"http://{address}"
+
+
+def validate(cfg: Any, world: World) -> None:
+    """Refuse, before launch, what torchft replica groups cannot run."""
+    if cfg.fault_tolerance not in FAULT_TOLERANCE:  # out-of-tree configs are typed here
+        raise ConfigError(
+            "strategy.fault_tolerance", cfg.fault_tolerance, "no such mode", FAULT_TOLERANCE
+        )
+    if cfg.fault_tolerance == "none":
+        return
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "strategy.fault_tolerance",
+            cfg.fault_tolerance,
+            "torchft is not installed",
+            hint="Install it with `pip install 'framework[torchft]'` (make install does).",
+        )
+    if world.world_size != 1:
+        key, value = (
+            ("trainer.num_nodes", world.num_nodes)
+            if world.num_nodes > 1
+            else ("trainer.devices", world.devices)
+        )
+        raise ConfigError(
+            key,
+            value,
+            "strategy.fault_tolerance=torchft runs one process per replica group: each "
+            "`fw train` command is one group, and the groups average their gradients through "
+            "torchft",
+            ["1"],
+            hint="Start one command per replica group, each with trainer.devices=1, "
+            "trainer.num_nodes=1 and its own strategy.replica_group and run.dir.",
+        )
+    if cfg.replica_group >= cfg.replica_groups:
+        raise ConfigError(
+            "strategy.replica_group",
+            cfg.replica_group,
+            f"groups are numbered 0 .. strategy.replica_groups-1 = {cfg.replica_groups - 1}",
+            [str(g) for g in range(cfg.replica_groups)],
+        )
+    if cfg.min_replicas > cfg.replica_groups:
+        raise ConfigError(
+            "strategy.min_replicas",
+            cfg.min_replicas,
+            f"more than the strategy.replica_groups={cfg.replica_groups} that exist: no step "
+            "could ever commit",
+            hint=f"Use 1 .. {cfg.replica_groups}.",
+        )
+    check_lighthouse(cfg.lighthouse)
+
+
+def check_lighthouse(address: str) -> None:
+    """A lighthouse answers at `address` (a TCP connection is accepted within 3 s)."""
+    if not address:
+        raise ConfigError(
+            "strategy.lighthouse",
+            address,
+            "strategy.fault_tolerance=torchft needs the address of a running torchft "
+            "lighthouse, which forms the quorum of live replica groups",
+            hint=START_LIGHTHOUSE,
+        )
+    parts = urlsplit(lighthouse_url(address))
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host or not port:
+        raise ConfigError("strategy.lighthouse", address, "not an address of the form HOST:PORT")
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as err:
+        raise ConfigError(
+            "strategy.lighthouse",
+            address,
+            f"no lighthouse answers there ({err.strerror or err})",
+            hint=START_LIGHTHOUSE,
+        ) from None

@@ -1,0 +1,211 @@
+"""The Lightning strategy behind `strategy.fault_tolerance=torchft` (imports torchft: workers only).
+
+This process is one replica group (framework/strategies/ddp/fault_tolerance.py). torchft's
+`Manager` owns the step, in the order its own DDP and optimizer wrappers give it:
+
+- a quorum of the live groups is asked of the lighthouse before the forward pass (in the
+  background, while the forward runs);
+- after the backward the gradients, flattened into one buffer per dtype, are averaged over the
+  groups of the quorum by the Manager's all-reduce (on its own process group, which it rebuilds
+  whenever the quorum changes);
+- the optimizer steps only when the step's all-reduce went through (`should_commit`): a step
+  during which a group died is dropped, and the survivors go on with their next batch, no
+  process restarted, no checkpoint read (a group that committed it while another did not is
+  ahead by one step: the other heals from it at the next quorum);
+- a group that (re)joins behind the others is sent the model, optimizer and scheduler states
+  and the step by a live peer (the Manager's state_dict callbacks, over HTTP), and steps with
+  them from there.
+
+Lightning's step counter follows the Manager's committed step, so that every group logs the
+same step numbers and stops at the same `trainer.max_steps`. A dropped step's batch is not
+trained; a rejoined group reads its shard of the data from the start of the epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from framework.strategies.ddp.fault_tolerance import lighthouse_url
+from framework.strategy_base import Replicated
+
+log = logging.getLogger("framework.torchft")
+
+
+class _Dropped(Exception):
+    """The quorum did not commit this step: the optimizer must not step."""
+
+
+class ReplicaGroup(Replicated, SingleDeviceStrategy):
+    """One process that is one torchft replica group."""
+
+    def __init__(self, cfg: Any, *args: Any, **kwargs: Any) -> None:
+        self.cfg = cfg
+        self.manager: Any = None
+        self._store: Any = None
+        self._groups = 0  # replica groups in the last quorum, for the log
+        self._retry: int | None = None  # the index of a dropped step, trained next
+        super().__init__(*args, **kwargs)
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if not self.lightning_module.automatic_optimization:
+                raise RuntimeError(
+                    "strategy.fault_tolerance=torchft steps the optimizer itself: a task with "
+                    "automatic_optimization=False cannot run under it"
+                )
+            self.manager = self._start_manager()
+
+    def _start_manager(self) -> Any:
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        cfg = self.cfg
+        timeout = timedelta(seconds=cfg.fault_timeout_s)
+        host = socket.gethostname()  # where the other groups reach this one's store and server
+        # this group's own store (torchft's process groups meet in the quorum leader's)
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        cuda = self.root_device.type == "cuda"
+        pg = ProcessGroupNCCL(timeout=timeout) if cuda else ProcessGroupGloo(timeout=timeout)
+        manager = Manager(
+            pg=pg,
+            load_state_dict=self._load_state,
+            state_dict=self._state,
+            min_replica_size=cfg.min_replicas,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=self._store.port,
+            lighthouse_addr=lighthouse_url(cfg.lighthouse),
+            replica_id=f"fw_group{cfg.replica_group}",
+            hostname=host,
+        )
+        log.info(
+            "torchft: replica group %d of %d joins the lighthouse at %s",
+            cfg.replica_group,
+            cfg.replica_groups,
+            cfg.lighthouse,
+        )
+        return manager
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.manager is not None:  # a resumed run's step is the Manager's step
+            step = self.lightning_module.trainer.global_step
+            self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    # ---- the step, as torchft's Manager orders it
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        manager = self.manager
+        if manager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        manager.start_quorum()  # in the background: the forward runs meanwhile
+
+        def closure_then_average(*args: Any, **kw: Any) -> Any:
+            result = closure(*args, **kw)
+            self._average_gradients()
+            if not manager.should_commit():  # before the optimizer touches anything
+                raise _Dropped
+            return result
+
+        dropped = False
+        try:
+            return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        except _Dropped:
+            dropped = True
+            log.warning(
+                "torchft: step %d not committed (a replica group failed during it): the "
+                "optimizer did not step, the next batch trains it",
+                manager.current_step(),
+            )
+            return None
+        finally:
+            self._follow_manager(manager.current_step(), dropped)
+
+    def _average_gradients(self) -> None:
+        """The mean of the gradients over the quorum's groups, in one all-reduce per dtype. A
+        parameter with no gradient counts as zeros (as DDP's), so every group sends the same
+        sizes."""
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.manager.allreduce(flat).wait()  # an error is recorded: should_commit says no
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        groups = self.manager.num_participants()
+        if groups != self._groups:
+            log.info(
+                "torchft: %d replica group(s) step together from step %d",
+                groups,
+                self.manager.current_step(),
+            )
+            self._groups = groups
+        self.lightning_module.log(
+            "torchft/replica_groups", float(groups), on_step=True, on_epoch=False
+        )
+
+    def _follow_manager(self, committed: int, dropped: bool) -> None:
+        """Lightning's step counters set to the Manager's, `committed` steps done, before
+        Lightning adds one to each: the global step ends at `committed`, and the step's metrics
+        are logged at the index it trained. A dropped step's are logged at the index it tried,
+        and the counter of logged steps is put back there before the next batch (whose
+        metrics then overwrite them in that row)."""
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        steps = loop.automatic_optimization.optim_progress.optimizer.step.total
+        steps.ready, steps.completed = committed, committed - 1
+        loop._batches_that_stepped = committed if dropped else committed - 1
+        self._retry = committed if dropped else None
+
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        if self._retry is not None:  # before any callback logs for the next batch
+            self.lightning_module.trainer.fit_loop.epoch_loop._batches_that_stepped = self._retry
+            self._retry = None
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    # ---- healing: what a live group sends one that joins behind it
+    def _state(self) -> dict[str, Any]:
+        trainer = self.lightning_module.trainer
+        return {
+            "model": self.lightning_module.state_dict(),
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        trainer = self.lightning_module.trainer
+        self.lightning_module.load_state_dict(state["model"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        log.info(
+            "torchft: replica group %d healed from a live peer at step %d (model, optimizer "
+            "and scheduler state received; no checkpoint read)",
+            self.cfg.replica_group,
+            self.manager.current_step(),
+        )
+
+    def teardown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+        self._store = None
+        super().teardown()
