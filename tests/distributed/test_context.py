@@ -1,10 +1,11 @@
 """Context parallel (`strategy.cp`): gpt_tiny and moe_gpt_tiny with each sequence split over 2
-processes reproduce one process, per-step losses within 1e-5 and the attention weights'
-gradients at step 1 within 1e-6, in every composition: ulysses (cp=2), allgather under cp=2 x
-fsdp=2, ring under pp=2 x cp=2 and under cp=2 x ep=2 (moe_gpt, 4 processes); with a quarter of
-the targets ignored (ulysses, pp x cp: the chunks hold different counts, the loss is still the
-mean over the sequences' tokens); a kill -9 under cp=2 x fsdp=2 resumes bitwise; a cp checkpoint
-moves to one process; bad settings are refused before launch."""
+or 4 processes reproduce one process, per-step losses within 1e-5 and the attention weights'
+gradients at step 1 within 1e-6, in every composition: ulysses (cp=2), ring over cp=4,
+allgather under cp=2 x fsdp=2, ring under cp=2 x tp=2 (tp inside cp), under pp=2 x cp=2 and
+under cp=2 x ep=2 (moe_gpt; 4 processes but ulysses); with a quarter of the targets ignored
+(all gpt runs but cp2xfsdp2: the chunks hold different counts, the loss is still the mean over
+the sequences' tokens); a kill -9 under cp=2 x fsdp=2 resumes bitwise; a cp checkpoint moves to
+one process; bad settings are refused before launch."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ MOE = [
 ONE = ["strategy=ddp", "trainer.devices=1"]
 # a quarter of each sequence's targets ignored: the cp ranks' chunks hold different counts
 MASKED = ["task.data._target_=tests.tasks.PromptMaskedText"]
+BATCH8 = ["task.data.batch_size=8", TEN]  # one data rank: masked8's batch
 # name: (model and layout, the one-process run it reproduces (`one_process` of conftest, or a
 # run of this module), steps). Each composition once; the modes spread over them.
 RUNS = {
@@ -76,6 +78,16 @@ RUNS = {
         "masked8",
         10,
     ),
+    "cp4": (  # ring over 4 ranks: each holds 2 chunks of 8 of every sequence
+        [*GPT, *MASKED, "strategy=fsdp", "strategy.cp=4", "trainer.devices=4", *BATCH8],
+        "masked8",
+        10,
+    ),
+    "cp2xtp2": (  # tp inside cp: each cp rank's heads split over 2 tensor-parallel ranks
+        [*GPT, *MASKED, *CP2, "strategy.tp=2", "trainer.devices=4", *BATCH8],
+        "masked8",
+        10,
+    ),
     "cp2xep2": (  # fsdp=4 = ep 2 x cp 2: 2 data ranks of batch 8
         [*MOE, "strategy=fsdp", "strategy.ep=2", "strategy.cp=2", "trainer.devices=4"],
         "moe16",
@@ -85,7 +97,13 @@ RUNS = {
     "masked8": ([*GPT, *MASKED, *ONE, "task.data.batch_size=8", TEN, VAL10], None, 10),
     "moe16": ([*MOE, *ONE, "task.data.batch_size=16"], None, 10),
 }
-GRADS_OF = {"ulysses": "masked8", "pp2xcp2": "masked8", "cp2xep2": "moe16"}
+GRADS_OF = {
+    "ulysses": "masked8",
+    "pp2xcp2": "masked8",
+    "cp2xep2": "moe16",
+    "cp4": "masked8",
+    "cp2xtp2": "masked8",
+}
 
 
 def train(run, *args: str, cwd) -> str:
@@ -129,7 +147,7 @@ def reference_losses(name, trained, one_process) -> dict[int, float]:
     return one_process[reference]
 
 
-@pytest.mark.parametrize("name", ["ulysses", "cp2xfsdp2", "pp2xcp2", "cp2xep2"])
+@pytest.mark.parametrize("name", ["ulysses", "cp2xfsdp2", "pp2xcp2", "cp2xep2", "cp4", "cp2xtp2"])
 def test_split_sequences_train_as_one_process(name, trained, one_process):
     """Same global batch, per-step losses within 1e-5 of the one-process run."""
     run = trained(name)
