@@ -43,6 +43,7 @@ class CheckReport:
     strategy: Any = None  # its typed config
     world: Any = None  # the process layout checked
     plan: Any = None  # the job's plan (framework/config/job_plan.py) that was checked
+    sent: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> bytes per step
 
     @property
     def worst(self) -> RankMemory:
@@ -54,12 +55,15 @@ class CheckReport:
 
     def table(self) -> str:
         head = ("rank", "role", "params", "grads", "optimizer", "activations", "opt step", "total")
-        rows = [(*head, "")]
         unit, scale = ("GiB", 2**30) if self.worst.total >= 2**30 else ("MiB", 2**20)
+        sent = {r.rank: sum(self.sent.get(r.rank, {}).values()) for r in self.ranks}
+        sent_unit, sent_scale = byte_unit(max(sent.values(), default=0))
+        rows = [(*head, f"sent {sent_unit}/step", "")]
         for r in self.ranks:
             shares = [r.params, r.grads, r.optimizer, r.activations, r.optimizer_step, r.total]
-            rows.append((str(r.rank), r.role, *(f"{n / scale:.3f}" for n in shares), r.note))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(head) + 1)]
+            figures = (f"{n / scale:.3f}" for n in shares)
+            rows.append((str(r.rank), r.role, *figures, f"{sent[r.rank] / sent_scale:.3f}", r.note))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head) + 2)]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
         ]
@@ -73,6 +77,14 @@ class CheckReport:
                 f"{gib(self.device_bytes):.1f} GiB ({100 * worst.total / self.device_bytes:.0f}%)."
             )
         return "\n".join([*verdict, *lines, *self.notes, f"Checked in {self.seconds:.1f} s."])
+
+
+def byte_unit(n: float) -> tuple[str, int]:
+    """The unit a byte count reads best in: GiB, MiB or KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return unit, scale
+    return "KiB", 2**10
 
 
 def check(
@@ -98,8 +110,32 @@ def check(
     report.config = cfg
     report.world = world
     report.plan = plan
+    count_sent(cfg, report)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def count_sent(cfg: DictConfig, report: CheckReport) -> None:
+    """Each checked rank's bytes sent per step by group (framework/preflight/traffic.py), and
+    under context parallel a note with the K/V share: its bytes per layer, forward and
+    backward as `strategy.cp_mode` sends them, times the layers."""
+    from framework.preflight import traffic
+
+    report.sent = {r.rank: traffic.rank_traffic(cfg, report, r) for r in report.ranks}
+    dims = report.plan.dims
+    if dims is None or dims.cp == 1:
+        return
+    mode = report.strategy.cp_mode
+    forward, backward, layers = traffic.context_per_layer(cfg, mode, dims.cp, dims.tp)
+    kv = max(s["context"] for s in report.sent.values())
+    unit, scale = byte_unit(max(forward, backward))
+    total_unit, total_scale = byte_unit(kv)
+    stages = f" / pp={dims.pp}" if dims.pp > 1 else ""
+    report.notes.append(
+        f"Context parallel ({mode}, cp={dims.cp}): K/V sent per step {kv / total_scale:.3f} "
+        f"{total_unit} of the sent column: {forward / scale:.3f} {unit} forward + "
+        f"{backward / scale:.3f} {unit} backward a layer x {layers} layers{stages}."
+    )
 
 
 def composed(overrides: list[str], extra_dirs: list[Path] | None) -> tuple[DictConfig, JobPlan]:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 if TYPE_CHECKING:
     from framework.preflight.check import CheckReport
+    from framework.preflight.simulate import RankMemory
 
 
 def comm_bytes(cfg: DictConfig, report: CheckReport) -> float:
@@ -37,17 +38,28 @@ def degrees_of(report: CheckReport) -> Any:
 
 def traffic(cfg: DictConfig, report: CheckReport) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, by the group that sends them: `data` (the
-    plugin's data-parallel bytes), `tensor`, `pipeline`, `experts` (the module docstring)."""
+    plugin's data-parallel bytes), `tensor`, `pipeline`, `experts`, `context` (the module
+    docstring); of the rank with the most gradients and parameters."""
+    grads = max(r.grads for r in report.ranks)  # this rank's share of the gradients
+    params = max(r.params for r in report.ranks)
+    return sent_by(cfg, report, grads, params)
+
+
+def rank_traffic(cfg: DictConfig, report: CheckReport, rank: RankMemory) -> dict[str, float]:
+    """`traffic` of one checked rank, whose own gradients and parameters the data-parallel
+    group reduces and gathers (`fw check`'s sent column)."""
+    return sent_by(cfg, report, rank.grads, rank.params)
+
+
+def sent_by(cfg: DictConfig, report: CheckReport, grads: int, params: int) -> dict[str, float]:
     from framework.plugins import capability
 
     plugin, strategy, world = report.plugin, report.strategy, report.world
     dims = degrees_of(report)
     degrees = {"pp": dims.pp, "tp": dims.tp} if dims is not None else {"pp": 1, "tp": 1}
     cp = dims.cp if dims is not None else 1
-    grads = max(r.grads for r in report.ranks)  # this rank's share of the gradients
-    params = max(r.params for r in report.ranks)
     data = capability(plugin, "data_traffic")(strategy, world, grads, params)
-    model = dict(cfg.task.model)
+    model = dict(cfg.task.get("model") or {})
     act = activation_bytes(cfg) / cp  # a cp rank holds s/cp positions of each sequence
     n_layer = int(model.get("n_layer", 0))
     sent = {"data": float(data), "tensor": 0.0, "pipeline": 0.0, "experts": 0.0, "context": 0.0}
@@ -95,7 +107,7 @@ def attention_shape(cfg: DictConfig) -> dict[str, int]:
     framework.nn gpt's names (n_layer, n_head, n_embd, block_size) or a transformers config's
     (task.model.config: num_hidden_layers, num_attention_heads, ...; task.data.block_size);
     zeros where the config does not say."""
-    model = dict(cfg.task.model)
+    model = dict(cfg.task.get("model") or {})
     hf_config = dict(model.get("config") or {})
     layers = int(model.get("n_layer", hf_config.get("num_hidden_layers", 0)))
     heads = int(model.get("n_head", hf_config.get("num_attention_heads", 0)))
@@ -110,19 +122,26 @@ def attention_shape(cfg: DictConfig) -> dict[str, int]:
 def context_traffic(cfg: DictConfig, mode: str, cp: int, tp: int = 1) -> float:
     """Bytes one rank's context-parallel attention sends per optimizer step, every layer's
     forward and backward (tensor parallel splits the heads over tp)."""
+    forward, backward, layers = context_per_layer(cfg, mode, cp, tp)
+    return layers * (forward + backward)
+
+
+def context_per_layer(cfg: DictConfig, mode: str, cp: int, tp: int = 1) -> tuple[float, float, int]:
+    """(Forward, backward) K/V bytes one rank sends per layer per step (`context_bytes` of the
+    task's attention shape, per-rank batch and precision), and the model's layers."""
     shape = attention_shape(cfg)
     rows = int(cfg.task.data.get("batch_size", 0))
     element = 2 if "16" in str(cfg.trainer.precision) else 4
     heads, kv_heads = shape["heads"] // tp, max(1, shape["kv_heads"] // tp)
-    per_layer = context_bytes(
+    forward, backward = context_bytes(
         mode, cp, rows, shape["seq"], heads, kv_heads, shape["head_dim"], element
     )
-    return shape["layers"] * sum(per_layer)
+    return forward, backward, shape["layers"]
 
 
 def activation_bytes(cfg: DictConfig) -> int:
     """b x s x h of the per-rank batch, in the precision's bytes (2 under 16-bit, else 4)."""
-    model = dict(cfg.task.model)
+    model = dict(cfg.task.get("model") or {})
     rows, seq = int(cfg.task.data.get("batch_size", 0)), int(model.get("block_size", 0))
     width = int(model.get("n_embd", 0))
     return rows * seq * width * (2 if "16" in str(cfg.trainer.precision) else 4)

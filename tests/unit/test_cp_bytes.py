@@ -78,16 +78,35 @@ def test_attention_sends_what_the_plan_reports(monkeypatch, cp, mode, kv, dtype)
     assert (forward, backward) == context_bytes(mode, cp, B, S, H, kv, D, element)
 
 
-def test_fw_plan_counts_the_kv_bytes_of_every_layer():
-    """The bytes column of `fw plan` (traffic.traffic) holds every layer's K/V bytes: gpt, 2
-    layers, 4 heads of 16, 4 sequences of 64 positions, fp32, ring over cp=2."""
+@pytest.mark.parametrize("mode", ["ring", "allgather", "ulysses"])
+def test_fw_check_and_fw_plan_count_the_kv_bytes_of_every_layer(mode):
+    """The sent column of `fw check` and the bytes of `fw plan` (traffic.traffic) hold every
+    layer's K/V bytes per step, forward and backward as the mode sends them: gpt, 2 layers, 4
+    heads of 16, 4 sequences of 64 positions, fp32, cp=2."""
     from framework.preflight.check import check
     from framework.preflight.traffic import traffic
 
     gpt = ["task=gpt", "task.model.n_layer=2", "task.model.n_embd=64", "task.model.n_head=4"]
     shape = ["task.model.block_size=64", "task.data.batch_size=4", "task.data.max_bytes=20000"]
-    report = check(
-        [*gpt, *shape, "trainer.devices=2", "strategy=fsdp", "strategy.cp=2"], ranks=[0], quick=True
-    )
-    block = 2 * 4 * 32 * 4 * 16 * 4  # one rank's K and V, bytes
-    assert traffic(report.config, report)["context"] == 2 * (block + 3 * block)
+    cp2 = ["trainer.devices=2", "strategy=fsdp", "strategy.cp=2", f"strategy.cp_mode={mode}"]
+    report = check([*gpt, *shape, *cp2], ranks=[0], quick=True)
+    cp, b, s, h, d, element = 2, 4, 64, 4, 16, 4  # h: heads, each also a K/V head
+    ring = (cp - 1) * 2 * b * s // cp * h * d * element  # per direction, the issue's formula
+    block = 2 * b * s // cp * h * d * element  # one rank's K and V
+    all_to_all = b * s // cp * h * d * element * (cp - 1) / cp  # the share leaving the rank
+    per_layer = {  # (forward, backward)
+        "ring": (ring, ring + cp * block),  # backward: K/V and their gradients on, one back
+        "allgather": (ring, ring),  # gathered once, their gradients reduce-scattered once
+        "ulysses": (4 * all_to_all, 4 * all_to_all),  # q, k, v to heads, the output back
+    }[mode]
+    kv_bytes = 2 * sum(per_layer)  # 2 layers
+    assert report.sent[0]["context"] == kv_bytes
+    assert traffic(report.config, report)["context"] == kv_bytes
+    table = report.table()
+    assert f"Context parallel ({mode}, cp=2): K/V sent per step {kv_bytes / 2**10:.3f} KiB" in table
+    lines = table.splitlines()
+    head = next(line for line in lines if line.startswith("rank "))
+    column = head.index("sent ")
+    unit = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[head[column + 5 : column + 8]]
+    sent = float(next(line for line in lines if line.startswith("0 "))[column:].split()[0])
+    assert sent == pytest.approx((report.sent[0]["data"] + kv_bytes) / unit, abs=1e-3)
