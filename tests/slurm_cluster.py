@@ -1,9 +1,13 @@
-"""A real one-node SLURM cluster on this machine, for the tests of launcher=slurm.
+"""A real two-node SLURM cluster on this machine, for the tests of launcher=slurm.
 
 Debian's `slurm-wlm` and `munge` are installed with apt-get when missing (root only); munged,
-slurmctld and slurmd are started by hand (no systemd here) with a slurm.conf in a temporary
-directory, the machine's CPUs as the node's resources. Clients find it through `SLURM_CONF`.
-SLURM's daemons listen on fixed ports (6817-6818): one cluster at a time on a machine.
+slurmctld and one slurmd per node are started by hand (no systemd here) with a slurm.conf in a
+temporary directory, the machine's CPUs as each node's resources. The two nodes are two slurmd
+daemons on this machine (`slurmd -N NAME`, each on its own port, spool, pid and log file: SLURM
+expands `%n` to the node's name), named by the machine's host name and `localhost`, two names
+that resolve to this machine, so a job's node list names hosts its tasks can reach. A job that
+asks for one node runs on the first. Clients find it through `SLURM_CONF`. SLURM's daemons
+listen on fixed ports (6817, 6818 and 6820): one cluster at a time on a machine.
 """
 
 from __future__ import annotations
@@ -56,13 +60,14 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=1,bf_interval=1
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=8000 State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile={root}/slurmd-%n.log
+NodeName={host} NodeAddr=127.0.0.1 Port=6818 CPUs={cpus} RealMemory=8000 State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 Port=6820 CPUs={cpus} RealMemory=8000 State=UNKNOWN
+PartitionName=debug Nodes={host},localhost Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -80,8 +85,10 @@ class Cluster:
 
     def start(self) -> None:
         host = socket.gethostname().split(".")[0]
-        for sub in ("state", "spool"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.nodes = [host, "localhost"]
+        (self.root / "state").mkdir(parents=True, exist_ok=True)
+        for node in self.nodes:
+            (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
         cpus = os.cpu_count() or 1
         self.conf.write_text(CONF.format(host=host, root=self.root, cpus=cpus))
         run = Path("/run/munge")
@@ -90,19 +97,21 @@ class Cluster:
         if not _running("munged"):
             subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
         subprocess.run(["slurmctld", "-i", "-f", str(self.conf)], check=True)
-        subprocess.run(["slurmd", "-f", str(self.conf)], check=True)
-        for name in ("slurmctld.pid", "slurmd.pid"):
+        for node in self.nodes:
+            subprocess.run(["slurmd", "-f", str(self.conf), "-N", node], check=True)
+        names = ["slurmctld.pid", *(f"slurmd-{node}.pid" for node in self.nodes)]
+        for name in names:
             self.pids.append(int(_wait_for(self.root / name).read_text()))
         env = {**os.environ, **self.env}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             out = subprocess.run(
-                ["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True
+                ["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True
             ).stdout
-            if out.strip() in ("idle", "mixed"):
+            if len(out.split()) == len(self.nodes) and set(out.split()) <= {"idle", "mixed"}:
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"the SLURM node did not become idle: {out!r}")
+        raise RuntimeError(f"the SLURM nodes did not become idle: {out!r}")
 
     def stop(self) -> None:
         for pid in self.pids:

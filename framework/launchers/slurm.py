@@ -5,6 +5,15 @@ is submitted with `trainer.num_nodes` nodes and `trainer.devices` tasks per node
 on CUDA). Inside the allocation every task trains as the rank SLURM gives it, the way `srun fw
 train ...` does (framework.external), reading the run directory's config.yaml.
 
+Elastic (`launcher.min_nodes` below `trainer.num_nodes`): the job runs one task per node, and
+each task is that node's agent, as `fw train launcher=local` is on each machine of a job over
+several machines (framework.launchers.elastic): it starts `trainer.devices` workers, and the
+agent of the allocation's first node keeps the rendezvous store. The job is submitted so that
+SLURM lets the other tasks run on when one ends (`--no-kill`, `srun --kill-on-bad-exit=0
+--wait=0`): when a node's agent is gone, the agents left continue from the newest checkpoint
+on fewer nodes, with the same global batch. A SLURM allocation does not take a lost node back:
+the job only shrinks.
+
 Preemption: SLURM sends `signal` (USR2 by default, `signal_delay_s` before the end of the time
 limit or before a preemption); every rank saves a checkpoint at the next step, rank 0 asks SLURM
 to requeue the job (`scontrol requeue`, at most `max_requeues` times) and the requeued job
@@ -14,11 +23,15 @@ continues from that checkpoint in the same run directory, with the same W&B run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,23 +75,21 @@ class Config:
     )
     min_nodes: int | None = doc(
         None,
-        "Shrinking is not supported under launcher=slurm: only null or trainer.num_nodes are "
-        "accepted (a lost node ends the SLURM job; run.dir keeps its checkpoints).",
+        "With trainer.num_nodes > 1: the fewest nodes the job goes on with when one is lost "
+        "(its task or machine gone): the others continue from the newest checkpoint with the "
+        "same global batch. A lost node does not come back into the allocation: the job only "
+        "shrinks (null: trainer.num_nodes, a lost node ends the job).",
         min=1,
     )
 
 
 def validate(cfg: Config, world: World) -> None:
-    if cfg.min_nodes is not None and cfg.min_nodes != world.num_nodes:
-        # a SLURM job's allocation is fixed: srun's steps cannot re-form on fewer nodes, and a
-        # requeue at a smaller node count is not something sbatch offers
+    if cfg.min_nodes is not None and cfg.min_nodes > world.num_nodes:
         raise ConfigError(
             "launcher.min_nodes",
             cfg.min_nodes,
-            f"launcher=slurm does not shrink a job (trainer.num_nodes={world.num_nodes}): a "
-            "lost node ends the SLURM job, and its checkpoints stay in run.dir",
-            hint="Leave launcher.min_nodes null (or equal to trainer.num_nodes), or start "
-            "`fw train launcher=local launcher.min_nodes=...` on each node for an elastic job.",
+            f"more than trainer.num_nodes={world.num_nodes}",
+            hint=f"Use 1 to {world.num_nodes} (null: {world.num_nodes}).",
         )
     if shutil.which("sbatch") is None:
         raise ConfigError(
@@ -90,8 +101,18 @@ def validate(cfg: Config, world: World) -> None:
 
 
 def join(cfg: Config, world: World, config: dict) -> bool:
-    """Submitting is done from one machine: it writes the run directory."""
+    """Submitting is done from one machine: it writes the run directory. An elastic job's
+    global batch is checked first for every smaller world it may shrink to."""
+    if elastic(cfg, world):
+        from framework.config import elastic as elastic_batch
+
+        elastic_batch.check(config, world, cfg.min_nodes)
     return True
+
+
+def elastic(cfg: Config, world: World) -> bool:
+    """Whether the job goes on with fewer nodes when one is lost."""
+    return world.num_nodes > 1 and cfg.min_nodes is not None and cfg.min_nodes < world.num_nodes
 
 
 def build(cfg: Config, plan: JobPlan):
@@ -105,12 +126,17 @@ def build(cfg: Config, plan: JobPlan):
         run_dir = config_path.parent
         executor = submitit.SlurmExecutor(folder=run_dir / "slurm", max_num_timeout=0)
         options = {"signal": f"{cfg.signal}@{cfg.signal_delay_s}", **cfg.sbatch}
+        tasks, cpus, srun_args = world.devices, cfg.cpus_per_task, None
+        if elastic(cfg, world):  # one agent per node, which SLURM lets die alone
+            tasks, cpus = 1, cfg.cpus_per_task and cfg.cpus_per_task * world.devices
+            options = {"no_kill": True, **options}
+            srun_args = ["--no-kill", "--kill-on-bad-exit=0", "--wait=0"]
         executor.update_parameters(
             job_name=cfg.job_name or run_dir.name,
             nodes=world.num_nodes,
-            ntasks_per_node=world.devices,
+            ntasks_per_node=tasks,
             gpus_per_node=world.devices if world.is_cuda else None,
-            cpus_per_task=cfg.cpus_per_task,
+            cpus_per_task=cpus,
             mem=f"{cfg.mem_gb:g}GB" if cfg.mem_gb else None,
             time=cfg.time_min,
             partition=cfg.partition,
@@ -119,9 +145,14 @@ def build(cfg: Config, plan: JobPlan):
             constraint=cfg.constraint,
             setup=list(cfg.setup),
             additional_parameters=options,
+            srun_args=srun_args,
         )
-        task = Task(str(config_path), str(resume_from or ""), cfg.signal, cfg.max_requeues, world)
-        job = executor.submit(task)
+        min_nodes = cfg.min_nodes if elastic(cfg, world) else None
+        task = Task(
+            str(config_path), str(resume_from or ""), cfg.signal, cfg.max_requeues, world, min_nodes
+        )
+        with job_token(elastic(cfg, world)):
+            job = executor.submit(task)
         logs = run_dir / "slurm"
         redact_scripts(logs)
         log.info(
@@ -137,6 +168,23 @@ def build(cfg: Config, plan: JobPlan):
         )
 
     return launch
+
+
+@contextlib.contextmanager
+def job_token(needed: bool):
+    """While submitting an elastic job: the token its node agents share at the rendezvous, in
+    the environment sbatch hands to the job (FW_RDZV_TOKEN if set, else a new random one), so
+    that it is written into no file of the run directory."""
+    from framework.launchers import rendezvous
+
+    if not needed or os.environ.get(rendezvous.TOKEN_ENV):
+        yield
+        return
+    os.environ[rendezvous.TOKEN_ENV] = secrets.token_hex(16)
+    try:
+        yield
+    finally:
+        os.environ.pop(rendezvous.TOKEN_ENV, None)
 
 
 def redact_scripts(folder: Path) -> None:
@@ -158,11 +206,18 @@ class Task:
     stopped training (a checkpoint was saved), rank 0 requeues the job."""
 
     def __init__(
-        self, config_path: str, resume_from: str, signame: str, max_requeues: int, world: World
+        self,
+        config_path: str,
+        resume_from: str,
+        signame: str,
+        max_requeues: int,
+        world: World,
+        min_nodes: int | None = None,
     ) -> None:
         self.config_path, self.resume_from = config_path, resume_from
         self.signal, self.max_requeues = signame, max_requeues
         self.world = world  # as planned in the fw process
+        self.min_nodes = min_nodes  # an elastic job: this task is its node's agent
 
     def __call__(self) -> str:
         from framework import checkpointing, worker
@@ -174,6 +229,8 @@ class Task:
         resume = Path(self.resume_from) if self.resume_from else None
         if requeued:  # continue from the newest checkpoint the job completed
             resume = checkpointing.newest_complete(run_dir / "checkpoints") or resume
+        if self.min_nodes is not None:
+            return self.run_node(resume, requeued)
         check_world(self.world)
         stopped = []
         worker.entry(self.config_path, resume, on_preempted=stopped.append)
@@ -186,6 +243,100 @@ class Task:
         elif global_rank() == 0:
             log.warning("%s (by %s)", stop, signal.Signals(stop.signum).name)
         return "preempted"
+
+    def run_node(self, resume: Path | None, requeued: int) -> str:
+        """This node's agent in an elastic job: the elastic loop of launcher=local, with the
+        rendezvous on the allocation's first node (its agent keeps the store), at most one
+        restart per node the job may lose."""
+        from omegaconf import OmegaConf
+
+        from framework import checkpointing
+        from framework.launchers import local, rendezvous
+
+        world, job = self.world, os.environ.get("SLURM_JOB_ID", "0")
+        nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
+        if nodes != world.num_nodes:
+            raise ConfigError(
+                "trainer.num_nodes",
+                world.num_nodes,
+                f"the SLURM job has {nodes} node(s)",
+                hint=f"Ask SLURM for --nodes={world.num_nodes}.",
+            )
+        first, port = first_node(), rdzv_port(job)
+        agent = local.Config(
+            rdzv_endpoint=f"{first}:{port}",
+            rdzv_id=f"slurm-{job}-{requeued}",
+            min_nodes=self.min_nodes,
+            max_restarts=world.num_nodes - self.min_nodes,  # each restart loses a node
+        )
+        token = rendezvous.job_token("")
+        if not token:
+            raise ConfigError(
+                "launcher.rdzv_token",
+                "",
+                f"{rendezvous.TOKEN_ENV} did not reach the job's tasks",
+                hint="Keep sbatch's default --export=ALL (launcher.sbatch.export).",
+            )
+        hosting = os.environ.get("SLURM_NODEID", "0") == "0"
+        if not hosting:  # the first node's agent keeps the store: let it open it first
+            wait_listening(first, port, agent.join_timeout_s)
+        config = OmegaConf.to_container(OmegaConf.load(self.config_path))
+        rendezvous.join(
+            agent.rdzv_endpoint, agent.rdzv_id, token, world.num_nodes, config, agent.join_timeout_s
+        )
+        for name in TASK_VARIABLES:  # the workers are the agent's, not srun's tasks
+            os.environ.pop(name, None)
+        method = "spawn" if world.is_cuda else "fork"
+        signals: list[int] = []
+        try:
+            local.run_elastic(agent, world, method, Path(self.config_path), resume, signals)
+        except local.WorkersPreempted:
+            ours = signal.Signals[f"SIG{self.signal}"]
+            if hosting and ours in signals:  # one node requeues the job
+                saved = checkpointing.listing(Path(self.config_path).parent / "checkpoints")
+                requeue(saved[0][0] if saved else 0, requeued, self.max_requeues)
+            return "preempted"
+        return "finished"
+
+
+# srun's variables for its tasks: a node agent's workers must not read themselves as those
+TASK_VARIABLES = (
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE",
+)
+
+
+def first_node() -> str:
+    """The host name of the allocation's first node (where the rendezvous store lives)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURM_NODELIST", ""))
+    done = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    )
+    return done.stdout.split()[0]
+
+
+def wait_listening(host: str, port: int, timeout_s: float) -> None:
+    """Wait until something listens on host:port (the rendezvous store of the first node)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def rdzv_port(job: str) -> int:
+    """The rendezvous port of an elastic job, the same on every node: from the job id."""
+    return 15000 + int(job) % 10000
 
 
 def requeue(step: int, requeued: int, max_requeues: int) -> None:

@@ -11,6 +11,8 @@ back), against the same ddp reference: the global batch and the sample order are
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +24,7 @@ import pytest
 
 from framework.data.sampler import GlobalOrderSampler
 from tests.conftest import FW, QUIET, fw, fw_env, metric_rows, read_metrics, refused
+from tests.distributed.test_slurm import cluster, job_state, wait_until_done  # noqa: F401
 from tests.tasks import RecordingDigitsTask
 
 STEPS = 20  # within the first epoch: every sample at most once
@@ -167,10 +170,25 @@ def reference(tmp_path_factory) -> Path:
     return cwd / "run"
 
 
-def test_launcher_slurm_refuses_min_nodes_below_num_nodes(workdir, monkeypatch, capsys):
-    args = ["launcher=slurm", "trainer.num_nodes=2", "trainer.devices=1", "launcher.min_nodes=1"]
-    err = refused([*args, *QUIET], workdir, monkeypatch, capsys)
-    assert "launcher.min_nodes=1: launcher=slurm does not shrink a job" in err, err
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["launcher.min_nodes=3"], "launcher.min_nodes=3: more than trainer.num_nodes=2"),
+        (
+            ["trainer.num_nodes=3", "launcher.min_nodes=2", "task.data.batch_size=33"],
+            "on 2 node(s) (2 data-parallel ranks) no per-rank batch x accumulation keeps the "
+            "global batch",
+        ),
+    ],
+)
+def test_launcher_slurm_refuses_a_bad_elastic_setting_before_submitting(
+    args, message, workdir, monkeypatch, capsys
+):
+    if shutil.which("sbatch") is None:
+        pytest.skip("no sbatch on this machine: launcher=slurm is refused for that first")
+    common = ["launcher=slurm", "trainer.num_nodes=2", "trainer.devices=1"]
+    err = refused([*common, *args, *QUIET], workdir, monkeypatch, capsys)
+    assert message in err, err
 
 
 @pytest.mark.slow
@@ -255,3 +273,69 @@ def trained_samples(out: Path) -> dict[int, list[int]]:
         world = ranks[0][0]  # a rank above the last start's world size is from an earlier one
         steps[step] = sorted(i for r, (_, ids) in ranks.items() if r < world for i in ids)
     return steps
+
+
+# --- launcher=slurm: a real two-node SLURM cluster on this machine (tests/slurm_cluster.py)
+
+
+def agent_of(job: str, node: int) -> int:
+    """The pid of the elastic SLURM job's agent task on `node` (started by slurmstepd)."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            env = dict(
+                item.split("=", 1) for item in environ.read_text().split("\0") if "=" in item
+            )
+            status = (environ.parent / "status").read_text()
+            ppid = next(x.split()[1] for x in status.splitlines() if x.startswith("PPid:"))
+            parent = Path(f"/proc/{ppid}/comm").read_text().strip()
+        except (OSError, ValueError, StopIteration):
+            continue
+        mine = env.get("SLURM_JOB_ID") == job and env.get("SLURM_PROCID") == str(node)
+        if mine and "SLURM_STEP_ID" in env and parent == "slurmstepd":
+            return int(environ.parent.name)
+    raise LookupError(f"no agent of SLURM job {job} on node {node}")
+
+
+@pytest.mark.slow
+def test_a_lost_node_shrinks_a_slurm_job(cluster, workdir, reference):  # noqa: F811
+    """launcher=slurm with min_nodes: one agent per node; node 2's agent killed with -9 after the
+    first checkpoint, SLURM lets node 1's task run on, and it finishes the job alone."""
+    out = workdir / "seen"
+    out.mkdir()
+    args = [
+        *ARGS,
+        f"+task.model.out={out}",
+        "launcher=slurm",
+        "trainer.devices=1",
+        "trainer.num_nodes=2",
+        f"task.data.batch_size={GLOBAL_BATCH // 2}",
+        "launcher.min_nodes=1",
+        "run.dir=run",
+    ]
+    # two "nodes" share this machine's cores: one thread each, as the reference's workers
+    env = {**fw_env(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [str(FW), "train", *args], cwd=workdir, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (job,) = re.findall(r"Submitted SLURM job (\d+) ", done.stderr)
+    run = workdir / "run"
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "checkpoints" / "step00000004").exists():
+            assert job_state(job) and time.monotonic() < deadline, f"job {job}: no checkpoint"
+            time.sleep(0.05)
+        os.kill(agent_of(job, 1), signal.SIGKILL)  # node 2: its agent, then its worker
+        wait_until_done(job)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    log = (run / "slurm" / f"{job}_0_log.err").read_text()
+    sizes = world_sizes(run)
+    assert [s for s, _ in sizes] == list(range(STEPS)), "every step logged once: " + log[-3000:]
+    shape = [w for i, (_, w) in enumerate(sizes) if i == 0 or sizes[i - 1][1] != w]
+    assert shape == [2, 1], f"shrank to one process: {sizes}"
+    got, want = dict(metric_rows(run)), dict(metric_rows(reference))
+    worst = max(abs(float(got[s]) - float(want[s])) for s in want)
+    assert worst < 1e-5, f"losses differ from the uninterrupted run by up to {worst:g}"
+    assert trained_samples(out) == trained_samples(reference.parent / "seen"), "same samples"
+    assert "World size 1 of 2" in log and "Restart 1 of 1" in log, log[-3000:]
