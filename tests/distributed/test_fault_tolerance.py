@@ -33,8 +33,8 @@ GROUPS = 3
 
 
 class PacedDigits(DigitsTask):
-    """Digits that sleeps `step_sleep` a step and appends `step digest` of its parameters after
-    each step to `<out>/<run dir name>.txt` (the digest: SHA-256 of the parameters' bytes).
+    """Digits that sleeps `step_sleep` a step and appends `step digest time` after each step to
+    `<out>/<run dir name>.txt` (the digest: SHA-256 of the parameters' bytes).
     Before a step, so before it asks for a quorum, it waits while `<out>/go` is missing, and at
     step `hold_step` while `<out>/hold` exists."""
 
@@ -55,7 +55,8 @@ class PacedDigits(DigitsTask):
         data = b"".join(p.detach().numpy().tobytes() for p in self.parameters())
         name = Path(self.trainer.default_root_dir).name
         with open(self.out / f"{name}.txt", "a") as fh:
-            fh.write(f"{self.trainer.global_step} {hashlib.sha256(data).hexdigest()}\n")
+            digest = hashlib.sha256(data).hexdigest()
+            fh.write(f"{self.trainer.global_step} {digest} {time.time():.3f}\n")
 
 
 def group_args(out: Path, lighthouse: str, group: int) -> list[str]:
@@ -111,12 +112,13 @@ def wait_for(check, what: str, procs, lines, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def records(out: Path, group: int) -> list[tuple[int, str]]:
+def records(out: Path, group: int) -> list[tuple[int, str, float]]:
+    """(step, digest, time) of each step the group finished, in order."""
     path = out / f"g{group}.txt"
     if not path.exists():
         return []
     lines = [line.split() for line in path.read_text().splitlines()]
-    return [(int(step), digest) for step, digest in lines]
+    return [(int(step), digest, float(when)) for step, digest, when in lines]
 
 
 def last_step(out: Path, group: int) -> int:
@@ -147,6 +149,7 @@ def test_a_killed_replica_group_rejoins_from_a_live_peer(workdir, lighthouse):
         wait_for(ready, "the three groups start", procs, lines, timeout=120)
         (out / "go").touch()  # the first quorum: the three groups
         wait_for(lambda: last_step(out, 2) >= 3, "the groups step", procs, lines, timeout=60)
+        killed = time.time()
         os.killpg(procs[2].pid, signal.SIGKILL)  # the whole group: fw and its worker
         procs[2].wait(timeout=30)
         killed_at = last_step(out, 2)
@@ -154,9 +157,11 @@ def test_a_killed_replica_group_rejoins_from_a_live_peer(workdir, lighthouse):
         on = lambda: min(last_step(out, g) for g in (0, 1)) >= HOLD  # noqa: E731
         wait_for(on, "groups 0 and 1 go on without group 2", survivors, lines, timeout=60)
         assert not list((workdir / "g2" / "checkpoints").glob("step*")), "nothing on disk"
+        restarted = time.time()
         again = start(group_args(out, lighthouse, 2), workdir)  # the same command
         procs, lines = [*survivors, again], [*lines, follow(again)]
         wait_for(lambda: joined(lines[2]), "group 2 starts again", procs, lines, timeout=120)
+        released = time.time()
         (out / "hold").unlink()
         ends = [p.wait(timeout=120) for p in procs]
     finally:
@@ -185,17 +190,32 @@ def test_a_killed_replica_group_rejoins_from_a_live_peer(workdir, lighthouse):
     assert groups[STEPS - 1] == 3, f"group 2 back by the end: {groups}"
 
     # the same weights everywhere: at every step all three trained, and in the final checkpoints
-    digests = [dict(records(out, g)) for g in range(GROUPS)]
+    digests = [{step: d for step, d, _ in records(out, g)} for g in range(GROUPS)]
     rejoined = [s for s in digests[2] if s > killed_at]
     assert rejoined and min(rejoined) > HOLD, f"group 2 healed to the others' step: {rejoined}"
     common = set(digests[0]) & set(digests[1]) & set(digests[2])
     assert set(rejoined) <= common and STEPS in common
     for step in sorted(common):
         assert digests[0][step] == digests[1][step] == digests[2][step], f"step {step}"
+    report(out, killed, restarted, released)
     finals = [final_weights(workdir / f"g{g}") for g in range(GROUPS)]
     for name, tensor in finals[0].items():
         for other in finals[1:]:
             assert torch.equal(tensor, other[name]), name
+
+
+def report(out: Path, killed: float, restarted: float, released: float) -> None:
+    """What recovery took (printed; pytest -s shows it): the survivors' steps around the kill,
+    and group 2's start and heal."""
+    times = [when for _, _, when in records(out, 0)]
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    after = next(when for _, _, when in records(out, 0) if when > killed)
+    healed = next(when for _, _, when in records(out, 2) if when > restarted)
+    print(
+        f"\ntorchft: median step {gaps[len(gaps) // 2]:.2f} s; kill -> group 0's next step "
+        f"{after - killed:.2f} s; restart -> group 2 joins {released - restarted:.2f} s, "
+        f"-> its first (healed) step {healed - restarted:.2f} s"
+    )
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
