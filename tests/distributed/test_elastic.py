@@ -198,8 +198,10 @@ def test_launcher_slurm_refuses_a_bad_elastic_setting_before_submitting(
         [],
         # sharded: the DCP checkpoint of two ranks is resharded for one, and one's for two
         ["strategy=fsdp"],
+        # DeepSpeed: the engine's per-rank ZeRO shards of two ranks moved into one, and back
+        ["strategy=zero2"],
     ],
-    ids=["ddp", "fsdp"],
+    ids=["ddp", "fsdp", "zero2"],
 )
 def test_a_lost_node_shrinks_the_job_and_its_return_grows_it(workdir, reference, layout):
     out = workdir / "seen"
