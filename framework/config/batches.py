@@ -12,9 +12,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torch.utils.data import IterableDataset
-
-from framework.data.sampler import GlobalOrderSampler
 from framework.errors import ConfigError
 
 INF = float("inf")
@@ -156,6 +153,11 @@ def limited(key: str, batches: float, limit: Any, ranks: int) -> float:
 def rank_batches(loader: Any, ranks: int) -> float | None:
     """Batches one of `ranks` data-parallel ranks draws from `loader` in an epoch: inf for an
     iterable dataset, None where it cannot be known here (a custom batch sampler)."""
+    # here, not at the top: `fw train` refuses a bad override before torch is imported
+    from torch.utils.data import IterableDataset
+
+    from framework.data.sampler import GlobalOrderSampler
+
     if isinstance(getattr(loader, "dataset", None), IterableDataset):
         return INF
     sampler, size = getattr(loader, "sampler", None), getattr(loader, "batch_size", None)

@@ -9,14 +9,20 @@ import pytest
 import torch
 
 
-def test_import_framework_pulls_no_heavy_optional_parts():
+def test_import_framework_pulls_no_heavy_optional_parts(tmp_path):
+    """Importing the package, and `fw train` refusing a bad choice (what a typo costs), load
+    neither the optional parts nor torch (about 2 s of CPU) nor Lightning (about 7 s)."""
     code = (
         "import sys, framework, framework.cli, framework.runner;"
-        "bad=[m for m in ('deepspeed','wandb','lightning') if m in sys.modules];"
-        "print(','.join(bad))"
+        "code = framework.cli.main(['train', 'strategy=nope', 'run.dir=run']);"
+        "bad=[m for m in ('deepspeed','wandb','lightning','torch') if m in sys.modules];"
+        "print(code, ','.join(bad))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    assert out.stdout.strip() == "2", out.stdout + out.stderr[-2000:]
+    assert "strategy=nope: no such option" in out.stderr
 
 
 def test_task_module_builds_optimizer_and_schedule_from_config():
