@@ -115,15 +115,22 @@ def rank_order(rows: dict[str, dict], apart: float = APART) -> dict:
 
 
 def report(rows: dict[str, dict], order: dict) -> None:
-    print(f"{'layout':10} {'predicted s':>12} {'measured s':>11} {'predicted / measured':>21}")
+    print(
+        f"{'layout':10} {'predicted s':>12} {'of it host s':>13} {'measured s':>11} "
+        f"{'predicted / measured':>21}"
+    )
     for name, row in rows.items():
         ratio = row["ratio"]
         mark = "" if ratio is not None and abs(ratio - 1) <= BOUND else "  (outside +-25%)"
+        host = row["terms_s"].get("host", 0.0)
         if ratio is None:
-            print(f"{name:10} {row['predicted_s']:12.4g} {str(row['measured']):>33}")
+            print(f"{name:10} {row['predicted_s']:12.4g} {host:13.4g} {str(row['measured']):>33}")
             continue
         measured = row["measured"]["step_s"]
-        print(f"{name:10} {row['predicted_s']:12.4g} {measured:11.4g} {ratio:21.2f}{mark}")
+        print(
+            f"{name:10} {row['predicted_s']:12.4g} {host:13.4g} {measured:11.4g} "
+            f"{ratio:21.2f}{mark}"
+        )
     print("Fastest first by time per token, predicted: " + ", ".join(order["by_predicted"]))
     print("                                 measured:  " + ", ".join(order["by_measured"]))
     print(f"Pairs measured more than {order['apart']:.0%} apart, in the predicted order?")
@@ -154,6 +161,8 @@ def main() -> None:
     calibration = rows.pop("calibration")
     order = rank_order(rows)
     report(rows, order)
+    costs = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in calibration.get("host", {}).items())
+    print(f"host costs per call (fw calibrate): {costs or 'none'}")
     name = "plan_accuracy" if args.gpus == 2 else f"plan_accuracy_{args.gpus}"
     results = {"gpus": args.gpus, "bound": BOUND, "layouts": rows, "rank_order": order}
     save_results(name, {**results, "calibration": calibration}, load)

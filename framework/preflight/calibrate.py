@@ -7,7 +7,9 @@ worker of an N-process job gets (framework/worker.py: the cores shared out). Mea
 time in every process, as the job's ranks compete for the cores: matmul FLOP/s by dtype, the
 memory bandwidth of a large copy, the host cost of one small operation; then the all-reduce time
 by message size, from which the latency (the smallest message) and the bus bandwidth (the
-largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken. The figures are
+largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; then the host's
+cost of an operation on DTensors and of one FSDP2 unit's hooks per step, from a small model's
+step run plain, tensor parallel and under FSDP2 (`host_costs`). The figures are
 the machine's reachable rates, so the efficiency is 1. Communication and compute share the CPU's
 cores, so no traffic is taken to hide behind compute (overlap 0).
 """
@@ -79,6 +81,74 @@ def compute_rates(torch) -> dict:
     return {"tflops": rates, "copy_gb_per_s": 2 * big.numel() * 4 / seconds / 1e9, "op_s": ops}
 
 
+def probe_model(torch):
+    """Two small MLP blocks: the host's work dominates their step (the host-cost probes)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32),
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32),
+    )  # fmt: skip
+
+
+def probe_step(torch, model):
+    """Forward, backward and an AdamW step of `model` on one small batch."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 32)
+
+    def run():
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return run
+
+
+def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
+    """The host's cost per call of what a layout adds (framework/preflight/perf.py's host
+    term), from the step of a small model measured three ways over the N processes' mesh and
+    counted with the counter `fw plan` counts with: plain; tensor parallel (column- then
+    row-wise linears): (its time - the plain one's - its collectives at the latency) per
+    operation on DTensors; FSDP2 (each linear a unit, and the root): (its time - the plain
+    one's - its DTensor operations at that cost - its collectives at the latency) per unit,
+    the unit's hooks and copies in and out. A collective the communication term does not list
+    costs the latency."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from framework.preflight.perf import fsdp_units, host_counting
+
+    mesh = init_device_mesh("cpu", (n,))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(),
+            "5": RowwiseParallel()}  # fmt: skip
+    tensor = parallelize_module(probe_model(torch), mesh, plan)
+    sharded = probe_model(torch)
+    for k in plan:
+        fully_shard(sharded[int(k)], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    found = {}
+    for name, model in {"plain": probe_model(torch), "tensor": tensor, "fsdp": sharded}.items():
+        run = probe_step(torch, model)
+        counter = host_counting()
+        with counter:
+            run()
+        found[name] = (best_time(lambda run=run: [run() for _ in range(10)]) / 10, counter)
+    plain_s = found["plain"][0]
+    seconds, counts = found["tensor"]
+    extra = seconds - plain_s - counts.collectives * latency_s
+    dtensor_op = max(0.0, extra / max(1, counts.dtensor_ops))
+    seconds, counts = found["fsdp"]
+    extra = seconds - plain_s - counts.dtensor_ops * dtensor_op - counts.collectives * latency_s
+    unit = max(0.0, extra / fsdp_units(sharded))
+    return {"dtensor_op": dtensor_op, "collective": latency_s, "fsdp_unit": unit}
+
+
 def allreduce_times(torch, dist) -> dict[int, float]:
     found = {}
     for size in SIZES:
@@ -106,15 +176,17 @@ def measure(out: str) -> None:
     dist.barrier()
     local = compute_rates(torch)
     times = allreduce_times(torch, dist)
+    latency = min(t for size, t in times.items() if size <= 2**14)  # a few KiB: latency only
+    local["host"] = host_costs(torch, n, latency)
     gathered = [None] * n
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
         slowest = {k: min(g["tflops"][k] for g in gathered) for k in DTYPES}
         copy = min(g["copy_gb_per_s"] for g in gathered)
         op = max(g["op_s"] for g in gathered)
+        host = {k: max(g["host"][k] for g in gathered) for k in gathered[0]["host"]}
         largest = max(times)
         bus = 2 * (n - 1) / n * largest / times[largest] / 1e9
-        latency = min(t for size, t in times.items() if size <= 2**14)  # a few KiB: latency only
         link = Link("gloo over loopback", bus, latency)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         device = Device(
@@ -129,6 +201,7 @@ def measure(out: str) -> None:
             op_overhead_s=op,
             overlap=0.0,
             accelerator="cpu",
+            host=host,
             measured={
                 "processes": n,
                 "threads": torch.get_num_threads(),

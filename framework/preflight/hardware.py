@@ -19,6 +19,15 @@ Links are per GPU and per direction (the datasheets give NVLink as both directio
 The latencies (one collective's fixed cost) are not datasheet figures: a few microseconds for
 NCCL within a node, more across; `fw calibrate` measures them for a real backend.
 
+`host` is the host's cost per call of the work a layout adds in Python (framework/preflight/
+perf.py's host term): `dtensor_op`, one operation dispatched on DTensors beyond the plain
+operation's launch, and `collective`, the fixed cost of one collective the communication term
+does not list. For GPUs these are assumptions, not datasheet figures: DTensor's dispatch with
+its sharding cache warm costs some tens of microseconds of one host core (the figure `fw
+calibrate` measures on this project's 2-core CPU machines, about 0.1 ms, scaled to a server
+core several times faster), and an NCCL call's launch a few microseconds. On a GPU they count
+only where the host's work outlasts the kernels' (small models, many small ops).
+
 `efficiency` is the one fraction of the dense peak the device class reaches on a training step's
 large matrix multiplies (cuBLAS GEMMs of transformer sizes reach about 0.7 of the dense peak on
 Hopper and Ampere data-centre parts, NVIDIA's published GEMM figures; Blackwell's are not yet as
@@ -63,6 +72,7 @@ class Device:
     data_wait_s: float = 0.0  # per step, when calibrated
     accelerator: str = "gpu"  # trainer.accelerator of a job on it ("cpu" for a calibrated CPU)
     measured: dict = field(default_factory=dict)  # a calibration's raw figures
+    host: dict = field(default_factory=dict)  # seconds per call: dtensor_op, collective, fsdp_unit
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of the matmuls in `dtype` (fp32 math runs on tf32 tensor cores only when
@@ -77,6 +87,7 @@ PCIE4 = Link("PCIe Gen4 x16", 32.0, 10e-6)
 PCIE5 = Link("PCIe Gen5 x16", 64.0, 10e-6)
 IB_NDR = Link("InfiniBand NDR 400 Gb/s", 50.0, 15e-6)
 ROCE_400 = Link("RoCE 400 GbE", 50.0, 20e-6)
+GPU_HOST = {"dtensor_op": 20e-6, "collective": 5e-6, "fsdp_unit": 100e-6}  # assumed: docstring
 
 DEVICES: dict[str, Device] = {
     "H100 SXM": Device(
@@ -87,6 +98,7 @@ DEVICES: dict[str, Device] = {
         0.7,
         NVLINK4,
         IB_NDR,
+        host=GPU_HOST,
     ),
     "H100 PCIe": Device(
         "H100 PCIe",
@@ -96,6 +108,7 @@ DEVICES: dict[str, Device] = {
         0.6,
         PCIE5,
         ROCE_400,
+        host=GPU_HOST,
     ),
     "H200": Device(
         "H200",
@@ -105,6 +118,7 @@ DEVICES: dict[str, Device] = {
         0.7,
         NVLINK4,
         IB_NDR,
+        host=GPU_HOST,
     ),
     "A100 SXM 80GB": Device(
         "A100 SXM 80GB",
@@ -114,6 +128,7 @@ DEVICES: dict[str, Device] = {
         0.7,
         NVLINK3,
         Link("InfiniBand HDR 200 Gb/s", 25.0, 15e-6),
+        host=GPU_HOST,
     ),
     "B200": Device(
         "B200",
@@ -123,6 +138,7 @@ DEVICES: dict[str, Device] = {
         0.6,
         NVLINK5,
         IB_NDR,
+        host=GPU_HOST,
     ),
     "L40S": Device(
         "L40S",
@@ -132,6 +148,7 @@ DEVICES: dict[str, Device] = {
         0.6,
         PCIE4,
         ROCE_400,
+        host=GPU_HOST,
     ),
 }
 ALIASES = {"H100": "H100 SXM", "A100": "A100 SXM 80GB", "H200 SXM": "H200"}

@@ -22,6 +22,19 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
 - optimizer step: memory-bound, the rank's parameters, gradients and optimizer state read and
   the parameters and state written again, over the memory bandwidth.
 - data wait: 0 unless the calibration measured one.
+- host: the Python-level work of the layout's rank that the counted replica does not have,
+  counted on the simulated rank of `fw check` (framework/preflight/simulate.py: the strategy's
+  own parallelize and one step on the fake backend) with `host_counting`: operations dispatched
+  on DTensors (tensor parallel's sharded modules, FSDP2's sharded parameters in the optimizer
+  step, the experts' mesh), and collectives issued beyond those the communication term already
+  charges (FSDP2's per-unit all-gathers and reduce-scatters, tensor parallel's all-reduces
+  beyond 4 per layer), and FSDP2 units (each one's hooks and copies per step). Each count
+  times its per-unit
+  cost (`Device.host`: measured by `fw calibrate`, small defaults for GPUs); forward and
+  backward counts times the microbatches, the optimizer step's once; the slowest simulated
+  rank's sum. On the CPU the host is the device: the term adds. On a GPU the host runs ahead
+  of the kernels, so only what the host's work (launches and this) takes beyond the device's
+  busy time is added.
 """
 
 from __future__ import annotations
@@ -61,10 +74,23 @@ class Prediction:
     rank_flops: float
     tokens_per_step: float
     peak_flops: float
+    host_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s + self.bubble_s + self.optimizer_s + self.data_s
+        return sum(self.terms.values())
+
+    @property
+    def terms(self) -> dict[str, float]:
+        """The step's terms in seconds, by name (what `fw plan --json` lists as terms_s)."""
+        return {
+            "compute": self.compute_s,
+            "communication": self.comm_s,
+            "bubble": self.bubble_s,
+            "optimizer": self.optimizer_s,
+            "data": self.data_s,
+            "host": self.host_s,
+        }
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,13 +102,7 @@ class Prediction:
 
     @property
     def dominant(self) -> str:
-        terms = {
-            "compute": self.compute_s,
-            "communication": self.comm_s,
-            "bubble": self.bubble_s,
-            "optimizer": self.optimizer_s,
-            "data": self.data_s,
-        }
+        terms = self.terms
         return max(terms, key=terms.get)
 
 
@@ -122,6 +142,48 @@ def counting_mode():
             return out
 
     return Counting()
+
+
+COLLECTIVES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}  # op namespaces
+NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # in them, sending nothing
+
+
+def host_counting():
+    """A dispatch mode that counts, on a simulated rank, what costs the host time per call:
+    `ops` on plain tensors, `dtensor_ops` (an operation with a DTensor argument: DTensor's own
+    dispatch, sharding propagation and the local operation) and `collectives` issued (process
+    group calls and functional collectives, their waits and autograd wrappers aside). Operations a DTensor runs on its
+    local shards inside its dispatch are not seen again: its one call is counted."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostCounting(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = self.dtensor_ops = self.collectives = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in COLLECTIVES:
+                self.collectives += func._overloadpacket.__name__ not in NOT_COLLECTIVES
+            elif any(issubclass(t, DTensor) for t in types):
+                self.dtensor_ops += 1
+            else:
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+        def counts(self) -> dict[str, int]:
+            return {"ops": self.ops, "dtensor_ops": self.dtensor_ops,
+                    "collectives": self.collectives}  # fmt: skip
+
+    return HostCounting()
+
+
+def fsdp_units(module) -> int:
+    """FSDP2 units in `module` (each gathers, frees and reduces its parameters per step, in
+    hooks around its forward and backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def count_replica(cfg, batch, max_real_params: float = 5e7) -> Work:
@@ -210,12 +272,48 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     if pp > 1:
         bubble = compute * (pp - 1) / (layout["virtual_stages"] * layout["microbatches"])
     comm = exposed_comm(layout, device, compute)
+    host = host_work_s(layout, device)
+    if device.accelerator != "cpu":  # the part of the host's work the kernels do not hide
+        host = max(busy, launch + host) - compute
     states = layout["state_bytes"]
     optimizer = (2 * states["params"] + states["grads"] + 2 * states["optimizer"]) / (
         device.hbm_gb_per_s * 1e9
     )
     tokens = (work.tokens or work.rows) * layout["data_ranks"]
-    return Prediction(compute, comm, bubble, optimizer, device.data_wait_s, flops, tokens, peak)
+    return Prediction(
+        compute, comm, bubble, optimizer, device.data_wait_s, flops, tokens, peak, host
+    )
+
+
+def charged_collectives(layout: dict[str, Any]) -> int:
+    """Collectives (and sends) the communication term already charges a latency for."""
+    sizes, traffic = layout["group_sizes"], layout["traffic"]
+    found = math.ceil(traffic["data"] / BUCKET_BYTES) if sizes["data"] > 1 else 0
+    found += layout["tensor_collectives"] if sizes["tensor"] > 1 else 0
+    found += layout["expert_collectives"] if sizes["experts"] > 1 else 0
+    found += layout["pipeline_sends"] if traffic["pipeline"] else 0
+    return found + (layout.get("context_collectives", 0) if traffic.get("context") else 0)
+
+
+def host_work_s(layout: dict[str, Any], device: Device) -> float:
+    """Seconds of the host's per-call work on the slowest simulated rank (`host_counts`, one
+    record per rank: forward and backward of one microbatch, `optimizer_*` for the step, and
+    `fsdp_units`, whose hooks run each microbatch): DTensor dispatches, the collectives beyond
+    those already charged and FSDP2 units, each at its cost (`Device.host`)."""
+    micro = layout["microbatches"]
+    cost = {"dtensor_op": 0.0, "collective": 0.0, "fsdp_unit": 0.0, **device.host}
+    charged = charged_collectives(layout)
+    slowest = 0.0
+    for counts in layout.get("host_counts", []):
+        dtensors = counts["dtensor_ops"] * micro + counts["optimizer_dtensor_ops"]
+        issued = counts["collectives"] * micro + counts["optimizer_collectives"]
+        seconds = (
+            dtensors * cost["dtensor_op"]
+            + max(0, issued - charged) * cost["collective"]
+            + counts.get("fsdp_units", 0) * micro * cost["fsdp_unit"]
+        )
+        slowest = max(slowest, seconds)
+    return slowest
 
 
 def link_of(group: str, layout: dict[str, Any], device: Device):

@@ -126,23 +126,40 @@ def step_as_on_cuda(optimizer) -> None:
             group["foreach"] = True
 
 
-def step(task, optimizer, run_backward, precision: str) -> tuple[int | None, int, int, int]:
+def step(task, optimizer, run_backward, precision: str) -> tuple[int | None, int, int, int, dict]:
     """One step under MemTracker, in two phases: (activations at forward and backward's peak,
-    the optimizer step's temporaries, grads' bytes, optimizer state's bytes). A step whose shapes
-    depend on the data (a mixture-of-experts layer's tokens per expert) cannot run forward on
-    fake tensors: then the activations are None and the optimizer steps on zero gradients."""
+    the optimizer step's temporaries, grads' bytes, optimizer state's bytes, the host's calls
+    of each phase). A step whose shapes depend on the data (a mixture-of-experts layer's tokens
+    per expert) cannot run forward on fake tensors: then the activations are None and the
+    optimizer steps on zero gradients."""
+    from framework.preflight.perf import host_counting
+
+    counter = host_counting()
     try:
         with autocast(precision):
-            peak, _ = tracked(task, optimizer, run_backward)
+            peak, _ = tracked(task, optimizer, counted(counter, run_backward))
         held = activations(peak)
     except data_dependent() as err:
         log.info("fw check: %s has data-dependent shapes; model states only", type(err).__name__)
         held = None
         zero_gradients(task)
     grads = local_bytes(p.grad for p in task.parameters())
-    peak, after = tracked(task, optimizer, optimizer.step)
+    stepping = host_counting()
+    peak, after = tracked(task, optimizer, counted(stepping, optimizer.step))
     states = local_bytes(v for s in optimizer.state.values() for v in s.values())
-    return held, max(0, peak["total"] - after["total"]), grads, states
+    host = {**counter.counts(), **{f"optimizer_{k}": n for k, n in stepping.counts().items()}}
+    return held, max(0, peak["total"] - after["total"]), grads, states, host
+
+
+def counted(counter, run):
+    """`run` under `counter` (a dispatch mode), entered inside MemTracker's: a mode entered
+    outside it sees DTensor operations only as their local ones."""
+
+    def run_counted():
+        with counter:
+            return run()
+
+    return run_counted
 
 
 def zero_gradients(task) -> None:
@@ -233,12 +250,12 @@ def replica_rank(
         task = build_fake_task(task_cfg, mode, trainer_cfg.precision)
         transforms.apply(task)
         optimizer = optimizer_of(task, cuda)
-        held, temporaries, grads, states = step(
+        held, temporaries, grads, states, host = step(
             task, optimizer, whole_step(task, fake_batch(mode, batch), False), trainer_cfg.precision
         )
     params = local_bytes(task.parameters())
     note = UNSIMULATED if held is None else ""
-    return RankMemory(rank, "every rank", params, grads, states, held or 0, temporaries, note)
+    return RankMemory(rank, "every rank", params, grads, states, held or 0, temporaries, note, host)
 
 
 def activations(peak: dict[str, int]) -> int:
@@ -268,6 +285,7 @@ def parallel_rank(
 ) -> RankMemory:
     """A rank of the parallel strategy: the worker's own mesh, cut, plans and FSDP units."""
     from framework.parallel.parallelize import parallelize
+    from framework.preflight.perf import fsdp_units
 
     mode = fake_mode()
     precision = trainer_cfg.precision
@@ -292,12 +310,14 @@ def parallel_rank(
             run = stage_steps(task, stages, inputs, cut)
             role = f"stage {'+'.join(str(s) for s in cut.mine)} ({where})"
             flight = in_flight(cfg, dims, coords["pp"])
-        held, temporaries, grads, states = step(task, optimizer, run, precision)
+        held, temporaries, grads, states, host = step(task, optimizer, run, precision)
+        host["fsdp_units"] = fsdp_units(task)
     params = local_bytes(task.parameters())
     note = f"x{flight} microbatches in flight" if flight > 1 else ""
     if held is None:
         note = UNSIMULATED
-    return RankMemory(rank, role, params, grads, states, (held or 0) * flight, temporaries, note)
+    activations_held = (held or 0) * flight
+    return RankMemory(rank, role, params, grads, states, activations_held, temporaries, note, host)
 
 
 def before_parallelize(task, cfg, dims, coords, batch):

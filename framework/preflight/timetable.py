@@ -36,13 +36,7 @@ def predicted_rows(
                 "hours": hours,
                 "cost": hours * gpus * price if hours is not None and price is not None else None,
                 "dominant": p.dominant,
-                "terms_s": {
-                    "compute": p.compute_s,
-                    "communication": p.comm_s,
-                    "bubble": p.bubble_s,
-                    "optimizer": p.optimizer_s,
-                    "data": p.data_s,
-                },
+                "terms_s": p.terms,
             }
         )
     return found

@@ -234,3 +234,75 @@ def test_measure_with_a_layout_that_does_not_fit_exits_2_and_runs_nothing(tmp_pa
     code, out, err = run([*args, *TINY, "strategy=ddp"], capsys)
     assert code == 2 and "no layout of the job over 2 GPUs passes fw check and fits" in err, err
     assert "Predicted against measured" not in out and not list(tmp_path.glob("**/metrics.csv"))
+
+
+HOST = {"ops": 500, "dtensor_ops": 300, "collectives": 10,
+        "optimizer_ops": 0, "optimizer_dtensor_ops": 200, "optimizer_collectives": 0}  # fmt: skip
+CPU = Device(**{**H100.__dict__, "accelerator": "cpu", "overlap": 0.0, "host": {}})
+
+
+def with_host(device: Device, dtensor_op: float, collective: float) -> Device:
+    return Device(
+        **{**device.__dict__, "host": {"dtensor_op": dtensor_op, "collective": collective}}
+    )
+
+
+def test_host_costs_of_zero_give_the_prediction_without_the_host_term():
+    facts = layout(pp=2, microbatches=4, tensor_collectives=6, host_counts=[HOST])
+    without = layout(pp=2, microbatches=4, tensor_collectives=6)
+    for device in (CPU, H100):
+        zero = predict(WORK, facts, with_host(device, 0.0, 0.0))
+        old = predict(WORK, without, device)
+        assert zero.host_s == 0.0 and zero.step_s == old.step_s
+        assert zero.step_s == old.compute_s + old.comm_s + old.bubble_s + old.optimizer_s
+
+
+def test_the_host_term_is_each_count_times_its_cost_on_the_cpu():
+    facts = layout(pp=2, microbatches=4, tensor_collectives=6,
+                   group_sizes={"tensor": 2}, host_counts=[HOST])  # fmt: skip
+    once = predict(WORK, facts, with_host(CPU, 1e-4, 1e-3))
+    # forward and backward per microbatch, the optimizer once; collectives beyond the 6 charged
+    assert once.host_s == pytest.approx((300 * 4 + 200) * 1e-4 + (10 * 4 - 6) * 1e-3)
+    twice = predict(WORK, facts, with_host(CPU, 2e-4, 2e-3))
+    assert twice.host_s == pytest.approx(2 * once.host_s)
+    assert twice.step_s - once.step_s == pytest.approx(once.host_s)
+    slower = {**HOST, "optimizer_dtensor_ops": 1200}  # the slowest simulated rank counts
+    both = predict(WORK, {**facts, "host_counts": [HOST, slower]}, with_host(CPU, 1e-4, 1e-3))
+    assert both.host_s == pytest.approx(once.host_s + 1000 * 1e-4)
+
+
+def test_on_a_gpu_the_host_term_is_what_outlasts_the_kernels():
+    facts = layout(host_counts=[HOST])
+    busy = predict(WORK, facts, with_host(H100, 1e-4, 0.0))  # 1.4 s of matmuls hide 50 ms
+    assert busy.host_s == 0.0
+    small = Work(flops=1e9, other_bytes=0.0, ops=0, tokens=16384, rows=2)
+    exposed = predict(small, facts, with_host(H100, 1e-4, 0.0))
+    assert exposed.host_s == pytest.approx(500 * 1e-4 - exposed.compute_s)
+
+
+@pytest.fixture(scope="module")
+def host_counts():
+    """The host's calls per step `fw check` counts on the first rank of gpt_tiny at 2
+    processes, under a whole replica (ddp) and FSDP2."""
+    from framework.preflight.check import check
+
+    world = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.num_nodes=1"]
+    return {
+        name: check([*TINY, f"strategy={name}", *world], quick=True).ranks[0].host
+        for name in ("ddp", "fsdp")
+    }
+
+
+def test_fsdp_steps_the_optimizer_on_dtensors_op_for_op_as_a_replica_on_tensors(host_counts):
+    """Every parameter of an FSDP2 rank is a DTensor shard: its optimizer step dispatches the
+    replica's operations, each on DTensors."""
+    ddp, fsdp = host_counts["ddp"], host_counts["fsdp"]
+    assert ddp["optimizer_dtensor_ops"] == 0 and ddp["dtensor_ops"] == 0
+    assert ddp["collectives"] == 0  # the replica's gradients are reduced by DDP's own hooks
+    # AdamW's step counters stay plain tensors; every other operation is on a DTensor
+    steps = fsdp["optimizer_ops"]
+    assert fsdp["optimizer_dtensor_ops"] + steps == ddp["optimizer_ops"]
+    assert fsdp["optimizer_dtensor_ops"] > 3 * steps > 0
+    # gpt_tiny: 2 blocks and the root are units; each all-gathers its parameters in forward
+    # and again in backward, and reduce-scatters its gradients
+    assert fsdp["fsdp_units"] == 3 and fsdp["collectives"] == 3 * 2 + 3
