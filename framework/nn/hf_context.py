@@ -7,7 +7,9 @@ queries and the local keys and values (this rank's zigzag chunks) to the model's
 (framework/nn/context.py: ring, allgather or ulysses) while the plan is on, and to transformers'
 own SDPA attention and masks otherwise (sampling after training attends as on one process).
 
-Before each forward of the model, while the plan is on:
+Before each forward of the model, while the plan is on (under a pipeline, where the model's
+forward is not called, its decoder layers take the plan's positions and its loss the shifted
+labels and count the same way: framework/nn/hf_pipeline.py):
 - `position_ids` are this rank's positions (rotary or learned position embeddings follow the
   zigzag split);
 - `labels` (a causal LM's, shifted inside transformers) become `shift_labels`: the next token
@@ -52,12 +54,10 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def check(task: nn.Module, cp: int, mode: str, tp: int = 1, pp: int = 1) -> None:
+def check(task: nn.Module, cp: int, mode: str, tp: int = 1) -> None:
     """ConfigError unless every transformers model in `task` can have its attention split over
     the sequence by context parallel."""
     for path, model in hf.models(task):
-        if pp > 1:  # its stages make positions 0..T-1 of what they get (nn/hf_pipeline.py)
-            refuse(cp, path or type(model).__name__, "its pipeline stages do not follow the split")
         name = path or type(model).__name__
         config = model.config.get_text_config()
         cls = type(model)

@@ -23,6 +23,8 @@ from torch import nn
 
 from framework.errors import ConfigError
 from framework.nn import hf
+from framework.nn.context import IN_FORCE
+from framework.nn.hf_context import next_labels
 
 IGNORE_INDEX = -100  # transformers' label for a position without a loss
 
@@ -83,7 +85,10 @@ class _DecoderLayer:
     """One decoder layer as a function of the hidden states: the positions (0..T-1, as the
     base model takes them without a cache), their rotary embeddings from the base model's own
     rotary module, and the mask of the layer's attention type from transformers' mask builder
-    (None for a plain causal mask under sdpa: the same call the base model's forward makes)."""
+    (None for a plain causal mask under sdpa: the same call the base model's forward makes).
+    Under context parallel (the layer's attention holds a plan that is on) the hidden states
+    are this rank's zigzag chunks: their positions are the plan's, and no mask is made (the
+    split attention is causal by construction; see nn/hf_context.py)."""
 
     def __init__(self, base: nn.Module, layer: nn.Module, index: int) -> None:
         self.base, self.layer, self.index = base, layer, index
@@ -91,8 +96,13 @@ class _DecoderLayer:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_masks_for_generate
 
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_masks_for_generate(self.base.config, hidden, None, None, positions)
+        plan = context_plan(self.layer)
+        if plan is not None and plan.active:
+            positions = plan.positions(hidden.shape[1], hidden.device).unsqueeze(0)
+            mask = None
+        else:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            mask = create_masks_for_generate(self.base.config, hidden, None, None, positions)
         if isinstance(mask, dict):  # one mask per attention type (full, sliding)
             mask = mask[self.base.config.get_text_config().layer_types[self.index]]
         kwargs = {"attention_mask": mask, "position_ids": positions}
@@ -101,6 +111,11 @@ class _DecoderLayer:
             kwargs["position_embeddings"] = rotary(hidden, positions)
         out = self.layer(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+
+def context_plan(layer: nn.Module):
+    """The context plan its attention holds (framework.nn.context.ContextPlan), or None."""
+    return next((m.context for m in layer.modules() if getattr(m, "context", None)), None)
 
 
 def check_loss(path: str, model: nn.Module, pp: int) -> None:
@@ -137,7 +152,12 @@ class CausalLMLoss:
     """The model's own loss function (transformers' ForCausalLMLoss: labels shifted by one,
     -100 ignored) on the last stage, normalised by the valid tokens of the whole batch: a
     pipeline's microbatches then add up to exactly the one-process loss of the batch, also when
-    they hold different numbers of ignored labels."""
+    they hold different numbers of ignored labels.
+
+    Under context parallel (a plan in force, framework.nn.context) the labels are this rank's
+    zigzag chunks: each position's next label comes from `hf_context.next_labels` (the chunk
+    boundaries' from the neighbouring chunks' owners), and the count is the cp group's over cp,
+    so the mean over the cp ranks (FSDP's gradient average) is the whole sequences' mean."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -148,18 +168,30 @@ class CausalLMLoss:
         """Before a batch cut into `parts` microbatches (each one's loss is divided by `parts`
         afterwards): count the labels that take part in the loss."""
         self.parts = parts
-        self.tokens = (labels[..., 1:] != IGNORE_INDEX).sum().clamp(min=1)
+        plan = split_plan()
+        if plan is None:
+            self.tokens = (labels[..., 1:] != IGNORE_INDEX).sum().clamp(min=1)
+        else:
+            self.tokens = next_labels(labels, plan)[1].clamp(min=1) / plan.size
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.tokens is None:
             self.begin(labels, 1)
+        plan = split_plan()
         loss = self.model.loss_function(
             logits=logits,
             labels=labels,
             vocab_size=self.model.config.get_text_config().vocab_size,
             num_items_in_batch=self.tokens,
+            shift_labels=None if plan is None else next_labels(labels, plan)[0],
         )
         return loss * self.parts
+
+
+def split_plan():
+    """The context plan in force when it splits sequences (cp > 1), else None."""
+    plan = IN_FORCE.get()
+    return plan if plan is not None and plan.size > 1 else None
 
 
 def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,10 @@
 """Context parallel for transformers models (framework/nn/hf_context.py): a plain LightningModule
 holding a Llama (grouped-query attention, rotary positions, transformers' own shifted loss) with
-each sequence split over 2 processes reproduces one process at the same global batch, by ring
-and by ulysses, with no change to the task; a model whose attention cannot be split, or a data module whose
-sequence length does not split into 2 x cp chunks, is refused before launch, naming the
-setting."""
+each sequence split over 2 processes reproduces one process at the same global batch, by
+ulysses under cp=2 and by ring under pp=2 x cp=2 (pipeline stages cut from the model's pp_plan,
+4 processes), with no change to the task; a model whose attention cannot be split, or a data
+module whose sequence length does not split into 2 x cp chunks, is refused before launch,
+naming the setting."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ PLAIN = [
     *QUIET,
 ]
 CP2 = ["strategy=fsdp", "strategy.cp=2", "trainer.devices=2"]
+# 2 stages, each split over 2 cp ranks (which FSDP shards over); 2 microbatches of 4 sequences
+PP2XCP2 = [
+    "strategy=pipeline",
+    "strategy.pp=2",
+    "strategy.fsdp=2",
+    "strategy.cp=2",
+    "strategy.microbatches=2",
+    "trainer.devices=4",
+]
 
 
 class SlidingMistral(PlainLlama):
@@ -56,9 +66,15 @@ def one_process(tmp_path_factory):
     return train(cwd=tmp_path_factory.mktemp("hf_cp_one"))
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_llama_split_over_the_sequence_trains_as_one_process(one_process, mode, tmp_path):
-    got = train(*CP2, f"strategy.cp_mode={mode}", cwd=tmp_path)
+@pytest.mark.parametrize(
+    "layout",
+    [[*CP2, "strategy.cp_mode=ulysses"], [*PP2XCP2, "strategy.cp_mode=ring"]],
+    ids=["ulysses", "pp2xcp2-ring"],
+)
+def test_llama_split_over_the_sequence_trains_as_one_process(one_process, layout, tmp_path):
+    """The same losses as one process at the same 8 sequences a step; under a pipeline the
+    decoder layers take the chunks' positions and the stages' loss their shifted labels."""
+    got = train(*layout, cwd=tmp_path)
     assert sorted(got) == sorted(one_process) and len(got) == 10
     assert all(abs(got[s] - one_process[s]) <= 1e-5 for s in got), (got, one_process)
 

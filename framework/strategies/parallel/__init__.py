@@ -178,7 +178,7 @@ def context_parallel(cfg: Config, dims: ParallelDims, job: Any) -> None:
         context.check_data_lengths(data_class, args, dims.cp)
     model = model_of(job)
     if hf.models(model):  # transformers models: attention through their registry
-        hf_context.check(model, dims.cp, cfg.cp_mode, dims.tp, dims.pp)
+        hf_context.check(model, dims.cp, cfg.cp_mode, dims.tp)
     else:
         context.check_model(model, dims.cp, cfg.cp_mode, dims.tp)
 
