@@ -126,7 +126,9 @@ def step_as_on_cuda(optimizer) -> None:
             group["foreach"] = True
 
 
-def step(task, optimizer, run_backward, precision: str) -> tuple[int | None, int, int, int, dict]:
+def step(
+    task, optimizer, run_backward, precision: str, mode=None
+) -> tuple[int | None, int, int, int, dict]:
     """One step under MemTracker, in two phases: (activations at forward and backward's peak,
     the optimizer step's temporaries, grads' bytes, optimizer state's bytes, the host's calls
     of each phase). A step whose shapes depend on the data (a mixture-of-experts layer's tokens
@@ -136,7 +138,7 @@ def step(task, optimizer, run_backward, precision: str) -> tuple[int | None, int
 
     counter = host_counting()
     try:
-        with autocast(precision):
+        with autocast(precision), fake_on(mode):
             peak, _ = tracked(task, optimizer, counted(counter, run_backward))
         held = activations(peak)
     except data_dependent() as err:
@@ -160,6 +162,15 @@ def counted(counter, run):
             return run()
 
     return run_counted
+
+
+def fake_on(mode):
+    """The task's fake mode, on for forward and backward and entered before MemTracker (which
+    then still sees every operation first): tensors the step creates from no input are fake
+    too, FSDP's all-gather and reduce-scatter buffers among them. Left real, a Llama-3-8B's
+    gathered layers took gigabytes of this process's memory and real time to cast. The
+    optimizer's step stays outside it (it reads its step counts, real scalars, as numbers)."""
+    return contextlib.nullcontext() if mode is None else mode
 
 
 def zero_gradients(task) -> None:
@@ -246,13 +257,13 @@ def replica_rank(
 ) -> RankMemory:
     """A rank that holds the whole model (ddp, and DeepSpeed before its own sharding)."""
     mode = fake_mode()
+    precision = trainer_cfg.precision
     with fake_world(rank, world_size), _quiet_logging():
-        task = build_fake_task(task_cfg, mode, trainer_cfg.precision)
+        task = build_fake_task(task_cfg, mode, precision)
         transforms.apply(task)
         optimizer = optimizer_of(task, cuda)
-        held, temporaries, grads, states, host = step(
-            task, optimizer, whole_step(task, fake_batch(mode, batch), False), trainer_cfg.precision
-        )
+        run = whole_step(task, fake_batch(mode, batch), False)
+        held, temporaries, grads, states, host = step(task, optimizer, run, precision, mode)
     params = local_bytes(task.parameters())
     note = UNSIMULATED if held is None else ""
     return RankMemory(rank, "every rank", params, grads, states, held or 0, temporaries, note, host)
@@ -310,7 +321,7 @@ def parallel_rank(
             run = stage_steps(task, stages, inputs, cut)
             role = f"stage {'+'.join(str(s) for s in cut.mine)} ({where})"
             flight = in_flight(cfg, dims, coords["pp"])
-        held, temporaries, grads, states, host = step(task, optimizer, run, precision)
+        held, temporaries, grads, states, host = step(task, optimizer, run, precision, mode)
         host["fsdp_units"] = fsdp_units(task)
     params = local_bytes(task.parameters())
     note = f"x{flight} microbatches in flight" if flight > 1 else ""
