@@ -10,6 +10,7 @@ back), against the same ddp reference: the global batch and the sample order are
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -341,3 +342,6 @@ def test_a_lost_node_shrinks_a_slurm_job(cluster, workdir, reference):  # noqa: 
     assert worst < 1e-5, f"losses differ from the uninterrupted run by up to {worst:g}"
     assert trained_samples(out) == trained_samples(reference.parent / "seen"), "same samples"
     assert "World size 1 of 2" in log and "Restart 1 of 1" in log, log[-3000:]
+    (restart,) = json.loads((run / "run.json").read_text())["restarts"]
+    # the survivor's workers failed on the lost peer, not on a signal: SLURM did not end the step
+    assert "signal" not in restart["cause"], restart["cause"]
