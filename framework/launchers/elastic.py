@@ -18,6 +18,9 @@ rendezvous that forms with at least `min_nodes` nodes (the first one: all of the
 
 Each change is a restart, counted against `launcher.max_restarts` and recorded in run.json. The
 node whose address `launcher.rdzv_endpoint` names keeps the store: losing that one ends the job.
+Under launcher=slurm each node's SLURM task runs the same loop (framework.launchers.slurm), with
+the store on the allocation's first node; there a job only shrinks (a lost node does not come
+back into the allocation).
 """
 
 from __future__ import annotations
