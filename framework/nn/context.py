@@ -160,16 +160,21 @@ def check_lengths(task_class: type, model_args: dict, cp: int) -> None:
     """The sequence lengths the task names (its `context_parallel_dims`) split into 2 x cp
     chunks."""
     lengths = getattr(task_class, "context_parallel_dims", None)
-    if lengths is None:
-        return
-    for key, value in lengths(model_args).items():
-        if value % (2 * cp):
+    if lengths is not None:
+        check_split("task.model", lengths(model_args), cp)
+
+
+def check_split(prefix: str, lengths: dict, cp: int, hint: str = "") -> None:
+    """ConfigError naming `prefix.key` for the first length of {key: length} that 2 x cp does
+    not divide (values that are not integers are left alone)."""
+    for key, value in lengths.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value % (2 * cp):
             raise ConfigError(
-                f"task.model.{key}",
+                f"{prefix}.{key}",
                 value,
                 f"context parallel splits each sequence into 2 x cp = {2 * cp} equal chunks "
-                f"(strategy.cp={cp}), which must divide it",
-                hint=f"Choose a multiple of {2 * cp}, or another strategy.cp.",
+                f"(strategy.cp={cp}), which must divide this sequence length",
+                hint=f"Choose a multiple of {2 * cp}, or another strategy.cp.{hint}",
             )
 
 
@@ -203,17 +208,12 @@ def check_data_lengths(data_class: type, data_args: dict, cp: int) -> None:
         defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
         given = {**defaults, **data_args}
         lengths = {k: given[k] for k in SEQUENCE_KEYS if k in given}
-    for key, value in lengths.items():
-        if isinstance(value, int) and not isinstance(value, bool) and value % (2 * cp):
-            raise ConfigError(
-                f"task.data.{key}",
-                value,
-                f"context parallel splits each sequence into 2 x cp = {2 * cp} equal chunks "
-                f"(strategy.cp={cp}), which must divide this sequence length",
-                hint=f"Choose a multiple of {2 * cp}, or another strategy.cp. (If {key} is not "
-                "the sequence length, the data module can name its lengths by a static "
-                "context_parallel_dims(args) returning {setting: length}.)",
-            )
+    # the data module's own settings may hold another kind of length: say how to name them
+    hint = (
+        " (If the setting is not the sequence length, the data module can name its lengths by "
+        "a static context_parallel_dims(args) returning {setting: length}.)"
+    )
+    check_split("task.data", lengths, cp, hint)
 
 
 def check_model(model: nn.Module, cp: int, mode: str, tp: int = 1) -> None:
