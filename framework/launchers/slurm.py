@@ -128,7 +128,8 @@ def build(cfg: Config, plan: JobPlan):
         options = {"signal": f"{cfg.signal}@{cfg.signal_delay_s}", **cfg.sbatch}
         tasks, cpus, srun_args = world.devices, cfg.cpus_per_task, None
         if elastic(cfg, world):  # one agent per node, which SLURM lets die alone
-            tasks, cpus = 1, cfg.cpus_per_task and cfg.cpus_per_task * world.devices
+            # the node's workers share its one task: as many CPUs as its devices' tasks get
+            tasks, cpus = 1, (cfg.cpus_per_task or 1) * world.devices
             options = {"no_kill": True, **options}
             srun_args = ["--no-kill", "--kill-on-bad-exit=0", "--wait=0"]
         executor.update_parameters(
