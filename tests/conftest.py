@@ -96,6 +96,18 @@ def tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in Path(root).rglob("*")}
 
 
+def pytest_configure(config) -> None:
+    """One torch thread per process: this process, and every process a test starts (they
+    inherit it). `make test` runs 2 pytest workers on 2 cores, each starting jobs of 1-4
+    processes, and a one-process job would otherwise start a thread per core whose OpenMP
+    threads spin while waiting, burning the CPU the others need: a one-process gpt_tiny run took
+    21 CPU-s against 9 with one thread (load ~6; 2-process jobs already take one thread each,
+    framework.worker.limit_threads). A value set by whoever runs the tests wins."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:  # imported before this hook: set its pool too
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_sessionstart(session) -> None:
     """A JIT build of a DeepSpeed op killed midway (a killed job or test run) leaves its lock in
     torch's extension cache, and every later DeepSpeed job waits on it forever at "initializing
