@@ -28,7 +28,11 @@ def test_a_calibration_feeds_the_plan_and_measure_runs_the_layout(tmp_path):
     calibration = tmp_path / "calibration.json"
     done = fw("calibrate", "--out", str(calibration), cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    read_calibration(str(calibration))  # a file fw plan --hardware accepts
+    device = read_calibration(str(calibration))  # a file fw plan --hardware accepts
+    # the host's costs per call of what a layout adds in Python (perf.py's host term)
+    assert set(device.host) == {"dtensor_op", "collective", "fsdp_unit"}, device.host
+    assert device.host["dtensor_op"] > 0 and device.host["fsdp_unit"] > 0, device.host
+    assert device.host["collective"] == device.intra.latency_s
     args = ["plan", "--gpus", "2", "--hardware", str(calibration), "--json", "--measure", "1"]
     done = fw(*args, *GPT, cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -39,3 +43,4 @@ def test_a_calibration_feeds_the_plan_and_measure_runs_the_layout(tmp_path):
     assert row["step_s"] > 0 and measured["step_s"] > 0, row
     assert measured["predicted_over_measured"] == pytest.approx(row["step_s"] / measured["step_s"])
     assert measured["tokens_per_s"] > 0, measured
+    assert row["terms_s"]["host"] == 0.0  # a ddp replica dispatches no DTensor operation
