@@ -6,7 +6,9 @@ with the same global batch (twice the per-rank batch), and when node 2's command
 again the job is back at two processes from the next step. The losses are those of an
 uninterrupted two-process run, every step is logged once and every sample of the epoch is
 trained once. The same under fsdp (its sharded checkpoint resharded from two ranks to one and
-back), against the same ddp reference: the global batch and the sample order are the same."""
+back) and zero2 (DeepSpeed's ZeRO partitions moved), against the same ddp reference: the global
+batch and the sample order are the same. Under launcher=slurm (a real two-node SLURM on this
+machine, tests/slurm_cluster.py) node 2's agent task is killed and node 1 finishes alone."""
 
 from __future__ import annotations
 
