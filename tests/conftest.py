@@ -102,8 +102,12 @@ def pytest_configure(config) -> None:
     processes, and a one-process job would otherwise start a thread per core whose OpenMP
     threads spin while waiting, burning the CPU the others need: a one-process gpt_tiny run took
     21 CPU-s against 9 with one thread (load ~6; 2-process jobs already take one thread each,
-    framework.worker.limit_threads). A value set by whoever runs the tests wins."""
+    framework.worker.limit_threads). Likewise torch.compile compiles in the process that
+    compiles (no pool of compile workers per rank: 40.7 against 43.0 CPU-s for a 2-process
+    compiled gpt_tiny job with a cold cache, the same losses). A value set by whoever runs the
+    tests wins."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if "torch" in sys.modules:  # imported before this hook: set its pool too
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
