@@ -31,7 +31,7 @@ RUNS = {
         "task=digits",
         "trainer.max_steps=20",
         "task.data.batch_size=32",
-        "callbacks.checkpoint.every_n_steps=20",
+        "callbacks.checkpoint.every_n_steps=10",
     ],
 }
 
@@ -49,7 +49,8 @@ def shared_root(tmp_path_factory, name: str) -> Path:
 @pytest.fixture(scope="session")
 def one_process(tmp_path_factory):
     """Run directories of one-process runs: gpt_tiny with batch 8 and 16 (20 steps, checkpoints
-    at 10 and 20, validation at 20) and digits with batch 32 (20 steps, checkpoint at 20); with
+    at 10 and 20, validation at 20) and digits with batch 32 (20 steps, checkpoints at 10 and
+    20: test_resume.py damages the newest); with
     `losses` of each. The workers of `make test` share them: the first to get here runs them."""
     root = shared_root(tmp_path_factory, "one_process")
     with open(root / ".lock", "w") as lock:

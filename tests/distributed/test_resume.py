@@ -16,6 +16,7 @@ import torch
 
 from framework.data.sampler import GlobalOrderSampler
 from tests.conftest import FW, QUIET, fw, fw_env, metric_rows, read_metrics
+from tests.distributed.conftest import REFERENCE, RUNS
 
 pytestmark = pytest.mark.slow
 STEPS = 40
@@ -181,21 +182,11 @@ def test_sigterm_checkpoints_exits_75_and_the_restart_is_exact(reference, workdi
     assert_same_as_reference(run, reference)
 
 
-DAMAGED = ["callbacks.checkpoint.every_n_steps=10", *QUIET, "run.dir=run"]
-
-
-@pytest.fixture(scope="module")
-def twenty_steps(tmp_path_factory) -> Path:
-    """One process, 20 steps, checkpoints at 10 and 20: the run each damage test copies."""
-    root = tmp_path_factory.mktemp("twenty_steps")
-    assert fw("train", "trainer.max_steps=20", *DAMAGED, cwd=root).returncode == 0
-    return root / "run"
-
-
 @pytest.mark.parametrize("corruption", ["truncated", "corrupted"])
-def test_damaged_newest_checkpoint_is_skipped(corruption, twenty_steps, workdir):
-    shutil.copytree(twenty_steps, workdir / "run", symlinks=True)
-    args = DAMAGED
+def test_damaged_newest_checkpoint_is_skipped(corruption, one_process, workdir):
+    """The session's one-process digits run (checkpoints at 10 and 20) with step 20 damaged."""
+    shutil.copytree(one_process["root"] / "digits", workdir / "run", symlinks=True)
+    args = [*REFERENCE, *(a for a in RUNS["digits"] if "max_steps" not in a), "run.dir=run"]
     state = workdir / "run" / "checkpoints" / "step00000020" / "state.ckpt"
     data = state.read_bytes()
     if corruption == "truncated":
