@@ -122,7 +122,7 @@ def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
         parallelize_module,
     )
 
-    from framework.preflight.perf import fsdp_units, host_counting
+    from framework.preflight.counting import fsdp_units, host_counting
 
     mesh = init_device_mesh("cpu", (n,))
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(),

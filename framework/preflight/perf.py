@@ -24,7 +24,7 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
 - data wait: 0 unless the calibration measured one.
 - host: the Python-level work of the layout's rank that the counted replica does not have,
   counted on the simulated rank of `fw check` (framework/preflight/simulate.py: the strategy's
-  own parallelize and one step on the fake backend) with `host_counting`: operations dispatched
+  own parallelize and one step on the fake backend) with `counting.host_counting`: operations dispatched
   on DTensors (tensor parallel's sharded modules, FSDP2's sharded parameters in the optimizer
   step, the experts' mesh), and collectives issued beyond those the communication term already
   charges (FSDP2's per-unit all-gathers and reduce-scatters, tensor parallel's all-reduces
@@ -142,48 +142,6 @@ def counting_mode():
             return out
 
     return Counting()
-
-
-COLLECTIVES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}  # op namespaces
-NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # in them, sending nothing
-
-
-def host_counting():
-    """A dispatch mode that counts, on a simulated rank, what costs the host time per call:
-    `ops` on plain tensors, `dtensor_ops` (an operation with a DTensor argument: DTensor's own
-    dispatch, sharding propagation and the local operation) and `collectives` issued (process
-    group calls and functional collectives, their waits and autograd wrappers aside). Operations a DTensor runs on its
-    local shards inside its dispatch are not seen again: its one call is counted."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class HostCounting(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops = self.dtensor_ops = self.collectives = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in COLLECTIVES:
-                self.collectives += func._overloadpacket.__name__ not in NOT_COLLECTIVES
-            elif any(issubclass(t, DTensor) for t in types):
-                self.dtensor_ops += 1
-            else:
-                self.ops += 1
-            return func(*args, **(kwargs or {}))
-
-        def counts(self) -> dict[str, int]:
-            return {"ops": self.ops, "dtensor_ops": self.dtensor_ops,
-                    "collectives": self.collectives}  # fmt: skip
-
-    return HostCounting()
-
-
-def fsdp_units(module) -> int:
-    """FSDP2 units in `module` (each gathers, frees and reduces its parameters per step, in
-    hooks around its forward and backward)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return sum(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def count_replica(cfg, batch, max_real_params: float = 5e7) -> Work:

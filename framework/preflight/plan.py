@@ -19,35 +19,17 @@ idle or exposed time, which bytes do not.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from framework.errors import ConfigError
-from framework.preflight.check import CheckReport, check
-from framework.preflight.simulate import RankMemory
-from framework.preflight.timetable import SORTS, predicted_rows, ranked, time_table
+from framework.preflight.check import check
+from framework.preflight.timetable import SORTS, Option, predicted_rows, ranked, time_table
 from framework.preflight.traffic import comm_bytes, layout_facts
 
 log = logging.getLogger("framework.preflight")
 GPUS_PER_NODE = 8
 HEADROOM = 0.9  # of the device's memory: allocator fragmentation and the CUDA context
-
-
-@dataclass
-class Option:
-    """One layout that passed `fw check`."""
-
-    order: int  # in the candidates' list: the simpler layouts first (see the docstring)
-    name: str
-    overrides: list[str]
-    report: CheckReport
-    comm_bytes: float
-    prediction: Any = None  # its step on the device (framework.preflight.perf.Prediction)
-
-    @property
-    def worst(self) -> RankMemory:
-        return self.report.worst
 
 
 def layouts(gpus: int, tp_limit: int) -> list[tuple[str, list[str]]]:

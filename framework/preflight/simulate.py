@@ -43,7 +43,7 @@ class RankMemory:
     activations: int  # at forward and backward's peak, times a pipeline's microbatches in flight
     optimizer_step: int = 0  # what the optimizer's step allocates and frees (Adam's temporaries)
     note: str = ""
-    # calls that cost the host time (framework.preflight.perf.host_counting): forward and
+    # calls that cost the host time (framework.preflight.counting.host_counting): forward and
     # backward of one microbatch, and the optimizer step's with the prefix optimizer_
     host: dict[str, int] = field(default_factory=dict)
 
@@ -134,7 +134,7 @@ def step(
     of each phase). A step whose shapes depend on the data (a mixture-of-experts layer's tokens
     per expert) cannot run forward on fake tensors: then the activations are None and the
     optimizer steps on zero gradients."""
-    from framework.preflight.perf import host_counting
+    from framework.preflight.counting import host_counting
 
     counter = host_counting()
     try:
@@ -296,7 +296,7 @@ def parallel_rank(
 ) -> RankMemory:
     """A rank of the parallel strategy: the worker's own mesh, cut, plans and FSDP units."""
     from framework.parallel.parallelize import parallelize
-    from framework.preflight.perf import fsdp_units
+    from framework.preflight.counting import fsdp_units
 
     mode = fake_mode()
     precision = trainer_cfg.precision

@@ -3,16 +3,34 @@ the order asked for (`--sort`) with the recommended one marked, and the table pr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from framework.errors import ConfigError
 
 if TYPE_CHECKING:
-    from framework.preflight.plan import Option
+    from framework.preflight.report import CheckReport
+    from framework.preflight.simulate import RankMemory
 
 
 SORTS = ("time", "cost", "simplicity")
 WITHIN = 0.05  # the recommendation: the simplest layout within 5% of the best time
+
+
+@dataclass
+class Option:
+    """One layout that passed `fw check`."""
+
+    order: int  # in the candidates' list: the simpler layouts first (see the docstring)
+    name: str
+    overrides: list[str]
+    report: CheckReport
+    comm_bytes: float
+    prediction: Any = None  # its step on the device (framework.preflight.perf.Prediction)
+
+    @property
+    def worst(self) -> RankMemory:
+        return self.report.worst
 
 
 def predicted_rows(

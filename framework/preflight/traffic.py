@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
-    from framework.preflight.check import CheckReport
+    from framework.preflight.report import CheckReport
     from framework.preflight.simulate import RankMemory
 
 

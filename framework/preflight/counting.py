@@ -1,0 +1,47 @@
+"""What costs the host time per call on a simulated rank, counted (fw plan's host term,
+framework/preflight/perf.py): a dispatch mode over a step of `fw check`'s simulation
+(preflight/simulate.py) or of `fw calibrate`'s probes, and the FSDP2 units of a model. Its own
+module: the simulation and the model both use it, and the model reads the simulation."""
+
+from __future__ import annotations
+
+COLLECTIVES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}  # op namespaces
+NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # in them, sending nothing
+
+
+def host_counting():
+    """A dispatch mode that counts, on a simulated rank, what costs the host time per call:
+    `ops` on plain tensors, `dtensor_ops` (an operation with a DTensor argument: DTensor's own
+    dispatch, sharding propagation and the local operation) and `collectives` issued (process
+    group calls and functional collectives, their waits and autograd wrappers aside). Operations a DTensor runs on its
+    local shards inside its dispatch are not seen again: its one call is counted."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostCounting(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = self.dtensor_ops = self.collectives = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in COLLECTIVES:
+                self.collectives += func._overloadpacket.__name__ not in NOT_COLLECTIVES
+            elif any(issubclass(t, DTensor) for t in types):
+                self.dtensor_ops += 1
+            else:
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+        def counts(self) -> dict[str, int]:
+            return {"ops": self.ops, "dtensor_ops": self.dtensor_ops,
+                    "collectives": self.collectives}  # fmt: skip
+
+    return HostCounting()
+
+
+def fsdp_units(module) -> int:
+    """FSDP2 units in `module` (each gathers, frees and reduces its parameters per step, in
+    hooks around its forward and backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for m in module.modules())
