@@ -331,7 +331,8 @@ def main() -> None:
         results["fit"] = {"budget_gib": budget / GIB, "layouts": fit_section(budget)}
     if args.section in ("llama", "all"):
         cps = tuple(int(c) for c in args.cps.split(","))
-        results["llama"] = {"device": H100, "usable": HEADROOM, "ranks": 8, **llama_section(cps)}
+        llama = results.setdefault("llama", {})  # degrees not run keep their figures
+        llama.update({"device": H100, "usable": HEADROOM, "ranks": 8, **llama_section(cps)})
     save_results("context", results, load)
 
 
