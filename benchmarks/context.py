@@ -320,7 +320,7 @@ def main() -> None:
     path = Path(__file__).parent / "results" / "context.json"
     if path.exists():  # a section run alone keeps the others' last figures
         old = json.loads(path.read_text())
-        results = {k: v for k, v in old.items() if k in sections}
+        results = {k: v for k, v in old.items() if k in [*sections, "load_average_by_section"]}
     if args.section in ("steps", "all"):
         steps = results.setdefault("steps", {})  # block sizes not run keep their figures
         steps.update({b: run_steps(int(b)) for b in args.blocks.split(",")})
