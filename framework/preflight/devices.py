@@ -30,12 +30,11 @@ def placement_errors(task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transfo
     """What rank `rank` would leave off its GPU after setup, or hand to a collective on another
     device, one line each (none: the rank is placed right)."""
     from framework.parallel.parallelize import parallelize
-    from framework.preflight.fakes import fake_mode, fake_world
+    from framework.preflight.fakes import fake_batch, fake_mode, fake_world
     from framework.preflight.simulate import (
         _quiet_logging,
         before_parallelize,
         build_fake_task,
-        fake_batch,
         settings,
     )
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -57,3 +59,32 @@ def copyable_fakes():
             del FakeTensor.__deepcopy__
         else:
             FakeTensor.__deepcopy__ = own
+
+
+def fake_batch(mode, batch: Any) -> Any:
+    if torch.is_tensor(batch):
+        return mode.from_tensor(batch)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(fake_batch(mode, b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: fake_batch(mode, v) for k, v in batch.items()}
+    return batch
+
+
+def fake_on(mode):
+    """The task's fake mode, on for forward and backward and entered before MemTracker (which
+    then still sees every operation first): tensors the step creates from no input are fake
+    too, FSDP's all-gather and reduce-scatter buffers among them. Left real, a Llama-3-8B's
+    gathered layers took gigabytes of this process's memory and real time to cast. The
+    optimizer's step stays outside it (it reads its step counts, real scalars, as numbers)."""
+    return contextlib.nullcontext() if mode is None else mode
+
+
+def data_dependent() -> tuple[type[Exception], ...]:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode

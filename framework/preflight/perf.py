@@ -151,6 +151,7 @@ def count_replica(cfg, batch, max_real_params: float = 5e7) -> Work:
     parameter and token."""
     from framework.callbacks._throughput import sizes_in
     from framework.nn.transforms import ModelTransforms
+    from framework.preflight import fakes
     from framework.preflight import simulate as sim
 
     rows, tokens = sizes_in(batch)
@@ -162,9 +163,9 @@ def count_replica(cfg, batch, max_real_params: float = 5e7) -> Work:
         counter = counting_mode()
         try:
             with sim.autocast(cfg.trainer.precision), counter:
-                sim.whole_step(task, sim.fake_batch(mode, batch), False)()
+                sim.whole_step(task, fakes.fake_batch(mode, batch), False)()
             how = "fake tensors"
-        except sim.data_dependent():
+        except fakes.data_dependent():
             n = sum(p.numel() for p in task.parameters())
             counter, how = real_count(cfg, batch) if n <= max_real_params else (None, "")
             if counter is None:

@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from framework.nn.context import plan_of
+from framework.preflight import fakes
 from framework.preflight.fakes import copyable_fakes, fake_mode, fake_world
 
 log = logging.getLogger("framework.preflight")
@@ -138,10 +139,10 @@ def step(
 
     counter = host_counting()
     try:
-        with autocast(precision), fake_on(mode):
+        with autocast(precision), fakes.fake_on(mode):
             peak, _ = tracked(task, optimizer, counted(counter, run_backward))
         held = activations(peak)
-    except data_dependent() as err:
+    except fakes.data_dependent() as err:
         log.info("fw check: %s has data-dependent shapes; model states only", type(err).__name__)
         held = None
         zero_gradients(task)
@@ -164,15 +165,6 @@ def counted(counter, run):
     return run_counted
 
 
-def fake_on(mode):
-    """The task's fake mode, on for forward and backward and entered before MemTracker (which
-    then still sees every operation first): tensors the step creates from no input are fake
-    too, FSDP's all-gather and reduce-scatter buffers among them. Left real, a Llama-3-8B's
-    gathered layers took gigabytes of this process's memory and real time to cast. The
-    optimizer's step stays outside it (it reads its step counts, real scalars, as numbers)."""
-    return contextlib.nullcontext() if mode is None else mode
-
-
 def zero_gradients(task) -> None:
     """The gradients a backward would leave, for a step whose forward could not run."""
     from torch.distributed.fsdp import FSDPModule
@@ -183,16 +175,6 @@ def zero_gradients(task) -> None:
     for p in task.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-
-
-def data_dependent() -> tuple[type[Exception], ...]:
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
 
 
 def tracked(task, optimizer, run) -> tuple[dict[str, int], dict[str, int]]:
@@ -217,16 +199,6 @@ def by_kind(snapshot) -> dict[str, int]:
             found[name] = found.get(name, 0) + int(n)
     found.setdefault("total", 0)
     return found
-
-
-def fake_batch(mode, batch: Any) -> Any:
-    if torch.is_tensor(batch):
-        return mode.from_tensor(batch)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(fake_batch(mode, b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: fake_batch(mode, v) for k, v in batch.items()}
-    return batch
 
 
 def whole_step(task, batch, loss_parallel: bool, sequences=None):
@@ -262,7 +234,7 @@ def replica_rank(
         task = build_fake_task(task_cfg, mode, precision)
         transforms.apply(task)
         optimizer = optimizer_of(task, cuda)
-        run = whole_step(task, fake_batch(mode, batch), False)
+        run = whole_step(task, fakes.fake_batch(mode, batch), False)
         held, temporaries, grads, states, host = step(task, optimizer, run, precision, mode)
     params = local_bytes(task.parameters())
     note = UNSIMULATED if held is None else ""
@@ -304,7 +276,7 @@ def parallel_rank(
     with fake_world(rank, dims.world_size), _quiet_logging():
         task = build_fake_task(task_cfg, mode, precision)
         mesh = dims.build_mesh("cpu")
-        batch = fake_batch(mode, batch)
+        batch = fakes.fake_batch(mode, batch)
         cut, inputs = before_parallelize(task, cfg, dims, coords, batch)
         tensor, fsdp = settings(task, cfg, dims, cut)
         stages = parallelize(
