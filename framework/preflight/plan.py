@@ -24,7 +24,14 @@ from typing import Any
 
 from framework.errors import ConfigError
 from framework.preflight.check import check
-from framework.preflight.timetable import SORTS, Option, predicted_rows, ranked, time_table
+from framework.preflight.timetable import (
+    SORTS,
+    Option,
+    aligned,
+    predicted_rows,
+    ranked,
+    time_table,
+)
 from framework.preflight.traffic import comm_bytes, layout_facts
 
 log = logging.getLogger("framework.preflight")
@@ -139,14 +146,7 @@ def table(options: list[Option], refused: list[tuple[str, str]], base: list[str]
                 command,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    if not options:
-        lines.append("  none fits")
-    if refused:
-        lines.append("Left out:")
-        lines += [f"  {name}: {why}" for name, why in refused]
-    return "\n".join(lines)
+    return aligned(lines, rows, len(head), not options, refused)
 
 
 def positive(key: str, text: str | None) -> float | None:

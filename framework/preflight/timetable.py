@@ -106,11 +106,17 @@ def time_table(rows: list[dict[str, Any]], refused, device, gpus: int, world: st
                 " ".join(["fw", "train", *r["overrides"], world]),
             )
         )
-    widths = [max(len(r[i]) for r in table_rows) for i in range(len(head))]
-    lines += [
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table_rows
-    ]
-    if not rows:
+    return aligned(lines, table_rows, len(head), not rows, refused)
+
+
+def aligned(
+    lines: list[str], rows: list[tuple], columns: int, empty: bool, refused: list[tuple[str, str]]
+) -> str:
+    """`lines`, then `rows` in left-aligned columns (the first row is the head), "none fits"
+    when `empty`, then the layouts left out and why: the end of both of fw plan's tables."""
+    widths = [max(len(r[i]) for r in rows) for i in range(columns)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if empty:
         lines.append("  none fits")
     if refused:
         lines.append("Left out:")
