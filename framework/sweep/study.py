@@ -180,12 +180,18 @@ def next_trial(study: Any, search: Search) -> Any:
             return None
         if search.cfg.seed is not None:  # a new draw for each trial, the same on a rerun
             study.sampler = sweep_config.sampler(search.cfg, search.cfg.seed + len(trials))
+        # The trial is queued with this process's host and pid, so it is RUNNING with them from
+        # its first write: a process killed while the sampler draws leaves a trial the next
+        # sweep can attribute (and fail), not one running forever. A trial queued by a process
+        # killed before asking is taken by the next ask, which writes its own host and pid.
+        owner = {HOST: socket.gethostname(), PID: os.getpid()}
+        study.enqueue_trial({}, user_attrs=owner)
         try:
             trial = study.ask(search.space)
         except ValueError as err:  # a distribution that conflicts with the study's trials
             raise ConfigError("--study", search.study_name, str(err).rstrip(".")) from None
-        trial.set_user_attr(HOST, socket.gethostname())
-        trial.set_user_attr(PID, os.getpid())
+        for key, value in owner.items():
+            trial.set_user_attr(key, value)
     return trial
 
 

@@ -31,3 +31,42 @@ def test_a_silent_trial_from_another_machine_is_failed_and_a_beating_one_stays(t
     assert states == [TrialState.FAIL, TrialState.RUNNING]
     assert "Trial 0 sent no heartbeat for three intervals" in caplog.text
     assert "another-machine" in caplog.text
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL arriving while the sampler draws a trial's values."""
+
+
+class KilledWhileDrawing(optuna.samplers.RandomSampler):
+    def sample_independent(self, *args, **kwargs):
+        raise Killed
+
+
+def test_a_sweep_killed_while_drawing_leaves_a_trial_the_next_sweep_fails(
+    tmp_path, caplog, monkeypatch
+):
+    """The trial is RUNNING from its first write; a kill before its values are drawn must still
+    leave it marked with its sweep process, or no later sweep fails it and the search runs one
+    trial short for ever."""
+    from types import SimpleNamespace
+
+    from framework.sweep import study as sweep_study
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'optuna.db'}", heartbeat_s=60)
+    study = optuna.create_study(study_name="s", storage=storage, sampler=KilledWhileDrawing())
+    search = SimpleNamespace(
+        sweep_dir=tmp_path,
+        trials=2,
+        cfg=SimpleNamespace(seed=None),
+        space={"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)},
+        study_name="s",
+    )
+    with pytest.raises(Killed):
+        sweep_study.next_trial(study, search)
+    (left,) = study.get_trials(deepcopy=False)
+    assert left.state == TrialState.RUNNING
+
+    monkeypatch.setattr(sweep_study, "alive", lambda pid: False)  # that process is gone
+    fail_orphans(study)
+    assert [t.state for t in study.get_trials(deepcopy=False)] == [TrialState.FAIL]
+    assert "Trial 0 was running when its sweep process" in caplog.text
