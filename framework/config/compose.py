@@ -7,6 +7,7 @@ working directory, nor creates `outputs/`, nor configures logging. Multirun swee
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -125,7 +126,20 @@ def translate(err: Exception, overrides: list[str]) -> ConfigError:
         key = cause.full_key
         parent = getattr(cause, "parent_node", None)
         choices = [str(k) for k in parent] if isinstance(parent, DictConfig) else None
-        return schema_error(cause, key, _given(key, overrides), choices, hint=_add_hint(key))
+        error = schema_error(cause, key, _given(key, overrides), choices, hint=_add_hint(key))
+        owners = _options_with(key) if error.problem == "no such key" else []
+        if not owners:
+            return error
+        group = key.split(".")[0]  # a key of other options of the group: say which
+        chosen = _given(group, overrides)
+        return ConfigError(
+            key,
+            error.value,
+            f"no such key for {f'{group}={chosen}' if chosen != '?' else f'this {group}'}; "
+            f"only {group}={', '.join(owners)} {'has' if len(owners) == 1 else 'have'} it",
+            choices,
+            near="",  # this option's keys are not what the user meant
+        )
     text = str(err)
     if "full_key:" in text:  # an error inside a YAML file: Hydra only keeps the message
         where = text.splitlines()[0].split(":")[0]
@@ -144,6 +158,25 @@ def _given(key: str, overrides: list[str]) -> str:
         if name == key:
             return value
     return "?"
+
+
+def _options_with(key: str) -> list[str]:
+    """The built-in options of a plugin group whose schema has the field `key` names
+    (`strategy.fault_tolerance` -> ddp), so that a key given under another option can say
+    where it belongs."""
+    from framework.config.store import plugin_schemas
+
+    group, _, field = key.partition(".")
+    kinds = [
+        kind
+        for (family, kind), schema in plugin_schemas().items()
+        if family == group and field in {f.name for f in dataclasses.fields(schema)}
+    ]
+    return sorted(
+        p.stem
+        for p in (CONF_DIR / group).glob("*.yaml")
+        if any(f"/schema/{group}/{kind}@" in p.read_text() for kind in kinds)
+    )
 
 
 def _add_hint(key: str) -> str | None:

@@ -237,17 +237,12 @@ GOOD = [
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        # only ddp has replica groups
-        (
-            ["task=digits", "strategy=fsdp", "strategy.fault_tolerance=torchft"],
-            "strategy.fault_tolerance=torchft: no such key",
-        ),
         ([*GOOD, "trainer.devices=2"], "trainer.devices=2: strategy.fault_tolerance=torchft runs"),
         ([*GOOD], "strategy.fault_tolerance=torchft needs the address of a running torchft"),
         ([*GOOD, "strategy.replica_group=2"], "strategy.replica_group=2: groups are numbered"),
         ([*GOOD, "strategy.min_replicas=3"], "strategy.min_replicas=3: more than"),
     ],
-    ids=["fsdp", "devices", "no-lighthouse", "group", "min-replicas"],
+    ids=["devices", "no-lighthouse", "group", "min-replicas"],
 )
 def test_bad_settings_are_refused_before_launch(args, says, workdir, monkeypatch, capsys):
     err = refused(args, workdir, monkeypatch, capsys)
