@@ -66,7 +66,7 @@ from pathlib import Path
 
 from benchmarks.common import FW, ROOT, load_average, save_results
 from framework import checkpointing
-from framework.launchers.local import child_pids
+from framework.launchers.signals import child_pids
 
 STEPS = 24
 COMMON = [

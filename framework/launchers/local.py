@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -31,8 +30,10 @@ from framework import checkpointing
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, ConfigError
 from framework.launchers import rendezvous
+from framework.launchers.outcomes import WorkersPreempted, describe_failures, preempted_message
 from framework.launchers.preload import Preload
 from framework.launchers.restarts import WorkerFailure, after, record_restart, with_restarts
+from framework.launchers.signals import PREEMPT_SIGNALS, child_pids, forward_signals, signal_workers
 from framework.watchdog import HEARTBEAT_ENV, WATCHED, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
 
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("framework.launcher")
 
 __all__ = ["Config", "WorkerFailure", "WorkersPreempted", "build", "join", "validate"]
-
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 @dataclass
@@ -119,12 +118,6 @@ class Config:
         "CPU only); spawn: fresh interpreters; auto: fork on CPU, spawn on CUDA.",
         ("auto", "fork", "spawn"),
     )
-
-
-class WorkersPreempted(RuntimeError):
-    """The workers stopped on SIGTERM/SIGUSR1 after saving a checkpoint."""
-
-    exit_code = EXIT_PREEMPTED
 
 
 def validate(cfg: Config, world: World) -> None:
@@ -300,46 +293,6 @@ def worker_args(
     return sys.executable, args
 
 
-@contextlib.contextmanager
-def forward_signals(signums, seen: list[int] | None = None):
-    """While workers run, pass SIGTERM/SIGUSR1/SIGUSR2 on (they checkpoint, then exit 75);
-    each one passed on is appended to `seen`."""
-    previous = {s: signal.getsignal(s) for s in signums}
-
-    def forward(signum, frame):
-        if seen is not None:
-            seen.append(signum)
-        signal_workers(signum)
-
-    for s in signums:
-        signal.signal(s, forward)
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def signal_workers(signum: int) -> None:
-    """Send a signal to this process's workers (its direct children)."""
-    for pid in child_pids(os.getpid()):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
-def child_pids(parent: int) -> list[int]:
-    """Direct children of a process (from /proc; empty where /proc is missing)."""
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            pids.append(int(entry.parent.name))
-    return pids
-
-
 def start_workers(
     cfg: Config,
     world: World,
@@ -433,40 +386,3 @@ def start_workers(
             watchdog.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
     return None
-
-
-def preempted_message(run_dir: Path) -> str:
-    from framework import checkpointing
-
-    newest = checkpointing.listing(run_dir / "checkpoints")
-    where = f"checkpoint saved at step {newest[0][0]}" if newest else "a checkpoint was saved"
-    return f"preempted: {where}; run the same command to continue"
-
-
-def describe_failures(err, log_dir: Path, ended: dict[int, tuple[float, str]] | None = None) -> str:
-    """'rank N failed: ExceptionType: message' for every failed rank, the first one first.
-
-    The error files every worker writes are read directly: with forked workers the launcher's
-    own report names only one failure, often a rank that died because of another one. `ended`
-    (from ExitWatch) adds the ranks that died without a Python exception (a signal, a crash)
-    before any rank raised; the ones that ended later were stopped by the launcher.
-    """
-    found: dict[int, tuple[float, str]] = {}
-    for path in log_dir.rglob("error.json"):
-        try:
-            data = json.loads(path.read_text())["message"]
-            when = path.stat().st_mtime  # finer than the file's own whole-second timestamp
-            found[int(path.parent.name)] = (when, str(data.get("message", "")).strip())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-    first_raise = min((when for when, _ in found.values()), default=float("inf"))
-    for rank, (when, how) in (ended or {}).items():
-        if rank not in found and when <= first_raise:
-            found[rank] = (when, f"no Python exception recorded ({how})")
-    for rank, failure in err.failures.items():
-        if rank not in found:
-            code = failure.exitcode
-            how = f"exit code {code}" if code >= 0 else f"killed by signal {failure.signal_name()}"
-            found[rank] = (float(failure.timestamp), f"no Python exception recorded ({how})")
-    ordered = sorted(found.items(), key=lambda kv: kv[1][0])
-    return "\n".join(f"rank {rank} failed: {message}" for rank, (_, message) in ordered)
