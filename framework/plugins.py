@@ -135,6 +135,12 @@ class StrategyCapabilities(Protocol):
         return False
 
     @staticmethod
+    def check_services(cfg: Any, world: World) -> None:
+        """Raise ConfigError when a running service the settings name does not answer (a
+        torchft lighthouse). Validation calls it for `fw train` only, before launch: `fw check`
+        and `fw plan` predict the job and do not need its services up. Default: none."""
+
+    @staticmethod
     def data_traffic(cfg: Any, world: World, grads: int, params: int) -> float:
         """Bytes one rank sends per optimizer step to keep the data-parallel ranks in step
         (`fw plan`), given its own bytes of gradients and of parameters. Default: an all-reduce

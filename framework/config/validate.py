@@ -51,7 +51,8 @@ def validate(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     if not plan.saves_async:
         check_foreground_saves(cfg, plan.checkpoint_format)
     check_log_model(cfg)
-    if here:
+    if here:  # the services the job needs answer now (fw check and fw plan only predict)
+        capability(plugin, "check_services")(strategy, world)
         launcher.validate(launcher_cfg, world)
         plan = dataclasses.replace(plan, launcher_plugin=launcher, launcher=launcher_cfg)
     for family in NAMED_FAMILIES:
