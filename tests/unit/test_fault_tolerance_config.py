@@ -1,12 +1,24 @@
 """`strategy.fault_tolerance=torchft` settings, checked in the `fw` process: refused before
-launch under a strategy that has no replica groups. (The run with replica groups is
+launch under a strategy that has no replica groups; `fw check` predicts a torchft job without
+contacting its lighthouse. (The run with replica groups and the other refusals are in
 tests/distributed/test_fault_tolerance.py.)"""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from tests.conftest import QUIET, refused
+
+TORCHFT = [
+    "task=digits",
+    "strategy=ddp",
+    "trainer.devices=1",
+    "strategy.fault_tolerance=torchft",
+    "strategy.replica_groups=2",
+    *QUIET,
+]
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
@@ -25,3 +37,33 @@ def test_a_key_of_several_other_strategies_names_them_all(workdir, monkeypatch, 
     err = refused(["task=digits", "strategy=ddp", "strategy.tp=2"], workdir, monkeypatch, capsys)
     assert "strategy.tp=2: no such key for strategy=ddp; only strategy=expert, fsdp, " in err, err
     assert "fsdp_tp, pipeline, tensor have it. Valid choices: kind, backend," in err, err
+
+
+def closed_port() -> int:
+    """A port on this machine that nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fw_check_predicts_a_torchft_job_without_its_lighthouse_up(workdir, monkeypatch, capsys):
+    """fw check (and fw plan, through the same validation) does not contact the lighthouse:
+    only `fw train` needs it up (its refusal: tests/distributed/test_fault_tolerance.py)."""
+    from framework.cli import main
+
+    monkeypatch.chdir(workdir)
+    args = [*TORCHFT, f"strategy.lighthouse=127.0.0.1:{closed_port()}"]
+    code = main(["check", *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "ddp x 1, 1 processes" in out.out, out.out
+
+
+def test_fw_check_still_refuses_a_lighthouse_that_is_no_address(workdir, monkeypatch, capsys):
+    from framework.cli import main
+
+    monkeypatch.chdir(workdir)
+    code = main(["check", *TORCHFT, "strategy.lighthouse=nohost"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "strategy.lighthouse=nohost: not an address of the form HOST:PORT" in err, err

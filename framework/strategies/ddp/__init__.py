@@ -57,6 +57,11 @@ def validate(cfg: Config, world: World, job: Any) -> None:
     fault_tolerance.validate(cfg, world)
 
 
+def check_services(cfg: Config, world: World) -> None:
+    if cfg.fault_tolerance == "torchft":  # `fw train` only: check and plan do not need it up
+        fault_tolerance.contact_lighthouse(cfg.lighthouse)
+
+
 def checkpoint_format(cfg: Config, world: World) -> str:
     return "lightning"  # one file; loads under any process count
 

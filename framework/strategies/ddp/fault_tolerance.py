@@ -75,11 +75,12 @@ def validate(cfg: Any, world: World) -> None:
             "could ever commit",
             hint=f"Use 1 .. {cfg.replica_groups}.",
         )
-    check_lighthouse(cfg.lighthouse)
+    lighthouse_host_port(cfg.lighthouse)
 
 
-def check_lighthouse(address: str) -> None:
-    """A lighthouse answers at `address` (a TCP connection is accepted within 3 s)."""
+def lighthouse_host_port(address: str) -> tuple[str, int]:
+    """The host and port of `strategy.lighthouse`; ConfigError when it is empty or not of the
+    form HOST:PORT."""
     if not address:
         raise ConfigError(
             "strategy.lighthouse",
@@ -95,6 +96,13 @@ def check_lighthouse(address: str) -> None:
         host = port = None
     if not host or not port:
         raise ConfigError("strategy.lighthouse", address, "not an address of the form HOST:PORT")
+    return host, port
+
+
+def contact_lighthouse(address: str) -> None:
+    """A lighthouse answers at `address` (a TCP connection is accepted within 3 s): asked by
+    `fw train` before launch (framework/strategies/ddp/__init__.py, `check_services`)."""
+    host, port = lighthouse_host_port(address)
     try:
         socket.create_connection((host, port), timeout=3).close()
     except OSError as err:
