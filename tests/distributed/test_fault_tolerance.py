@@ -5,7 +5,8 @@ started by this test. Group 2 is killed with -9 while the three step together: g
 keep stepping with 2 groups (their processes never restart and read no checkpoint: none exists
 yet); the same command started again heals group 2 from a live peer (no checkpoint on disk
 to read, no "Resuming from"), and the three end the run together with bitwise equal weights,
-both in their final checkpoints and at every step all three trained. Bad settings are refused
+both in their final checkpoints and at every step all three trained; the healed group logs
+each step it trained once, with the others' learning rate, and no other step. Bad settings are refused
 before launch with exit 2."""
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ GROUPS = 3
 class PacedDigits(DigitsTask):
     """Digits that sleeps `step_sleep` a step and appends `step digest time` after each step to
     `<out>/<run dir name>.txt` (the digest: SHA-256 of the parameters' bytes).
-    Before a step, so before it asks for a quorum, it waits while `<out>/go` is missing, and at
-    step `hold_step` while `<out>/hold` exists."""
+    Before a batch reaches the strategy, so before it asks for a quorum, it waits while
+    `<out>/go` is missing, and at step `hold_step` while `<out>/hold` exists."""
 
     def __init__(self, out: str, hidden: int = 32, step_sleep: float = 0.15, hold_step: int = 0):
         super().__init__(hidden=hidden)
         self.out, self.step_sleep, self.hold_step = Path(out), step_sleep, hold_step
 
-    def on_train_batch_start(self, batch, batch_idx) -> None:
+    def on_before_batch_transfer(self, batch, dataloader_idx):
         deadline = time.monotonic() + 120
         while not (self.out / "go").exists() or (
             self.trainer.global_step == self.hold_step and (self.out / "hold").exists()
@@ -50,6 +51,7 @@ class PacedDigits(DigitsTask):
             assert time.monotonic() < deadline, "never released"
             time.sleep(0.05)
         time.sleep(self.step_sleep)
+        return batch
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         data = b"".join(p.detach().numpy().tobytes() for p in self.parameters())
@@ -67,6 +69,7 @@ def group_args(out: Path, lighthouse: str, group: int) -> list[str]:
         f"+task.model.out={out}",
         f"+task.model.hold_step={HOLD}",
         "task.data.batch_size=32",
+        "task.scheduler.name=linear",  # an lr that changes every step: logged as the peers'
         f"trainer.max_steps={STEPS}",
         "trainer.log_every_n_steps=1",
         "trainer.limit_val_batches=0",
@@ -189,6 +192,14 @@ def test_a_killed_replica_group_rejoins_from_a_live_peer(workdir, lighthouse):
     shape = [groups[killed_at - 1], *{groups[s] for s in range(killed_at + 1, HOLD)}]
     assert shape == [3, 2], f"3 groups, then 2 after the kill at {killed_at}: {groups}"
     assert groups[STEPS - 1] == 3, f"group 2 back by the end: {groups}"
+
+    # group 2's metrics.csv (rewritten by the restarted command): a row at each step it trained
+    # after the heal and at no other, each with the learning rate the others had at that step
+    rows = {int(r["step"]): r for r in read_metrics(workdir / "g0")}
+    again = [int(r["step"]) for r in read_metrics(workdir / "g2")]
+    assert again == list(range(int(healed[0]), STEPS)), f"group 2 logged steps {again}"
+    for r in read_metrics(workdir / "g2"):
+        assert r["lr-AdamW"] == rows[int(r["step"])]["lr-AdamW"], r
 
     # the same weights everywhere: at every step all three trained, and in the final checkpoints
     digests = [{step: d for step, d, _ in records(out, g)} for g in range(GROUPS)]

@@ -3,8 +3,10 @@
 This process is one replica group (framework/strategies/ddp/fault_tolerance.py). torchft's
 `Manager` owns the step, in the order its own DDP and optimizer wrappers give it:
 
-- a quorum of the live groups is asked of the lighthouse before the forward pass (in the
-  background, while the forward runs);
+- a quorum of the live groups is asked of the lighthouse before each optimizer step's first
+  batch reaches the task (before any callback logs for it), and waited for: a group that joins
+  behind the others is healed then (below), so that it trains, and logs, that batch at the
+  step and with the weights and learning rate of the others;
 - after the backward the gradients, flattened into one buffer per dtype, are averaged over the
   groups of the quorum by the Manager's all-reduce (on its own process group, which it rebuilds
   whenever the quorum changes);
@@ -17,8 +19,13 @@ This process is one replica group (framework/strategies/ddp/fault_tolerance.py).
   them from there.
 
 Lightning's step counter follows the Manager's committed step, so that every group logs the
-same step numbers and stops at the same `trainer.max_steps`. A dropped step's batch is not
-trained; a rejoined group reads its shard of the data from the start of the epoch.
+same step numbers, each once, and stops at the same `trainer.max_steps`. A dropped step's batch
+is not trained; a rejoined group reads its shard of the data from the start of the epoch.
+
+The quorum is waited for (torchft's `use_async_quorum=False`) rather than overlapped with the
+forward pass: only then is a joining group's step known, and its state loaded, before the
+callbacks of its first batch log (an overlapped quorum logged that batch's learning rate at
+step 0, before the heal).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
         self.manager: Any = None
         self._store: Any = None
         self._groups = 0  # replica groups in the last quorum, for the log
-        self._retry: int | None = None  # the index of a dropped step, trained next
+        self._quorum = False  # asked for the optimizer step under way
         super().__init__(*args, **kwargs)
 
     def setup(self, trainer: Any) -> None:
@@ -79,6 +86,7 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
             load_state_dict=self._load_state,
             state_dict=self._state,
             min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,  # the step and a heal known before the batch's callbacks
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
@@ -109,7 +117,6 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
         manager = self.manager
         if manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        manager.start_quorum()  # in the background: the forward runs meanwhile
 
         def closure_then_average(*args: Any, **kw: Any) -> Any:
             result = closure(*args, **kw)
@@ -118,11 +125,9 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
                 raise _Dropped
             return result
 
-        dropped = False
         try:
             return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
         except _Dropped:
-            dropped = True
             log.warning(
                 "torchft: step %d not committed (a replica group failed during it): the "
                 "optimizer did not step, the next batch trains it",
@@ -130,7 +135,8 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
             )
             return None
         finally:
-            self._follow_manager(manager.current_step(), dropped)
+            self._quorum = False
+            self._follow_manager(manager.current_step())
 
     def _average_gradients(self) -> None:
         """The mean of the gradients over the quorum's groups, in one all-reduce per dtype. A
@@ -162,23 +168,32 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
             "torchft/replica_groups", float(groups), on_step=True, on_epoch=False
         )
 
-    def _follow_manager(self, committed: int, dropped: bool) -> None:
-        """Lightning's step counters set to the Manager's, `committed` steps done, before
-        Lightning adds one to each: the global step ends at `committed`, and the step's metrics
-        are logged at the index it trained. A dropped step's are logged at the index it tried,
-        and the counter of logged steps is put back there before the next batch (whose
-        metrics then overwrite them in that row)."""
+    def _follow_manager(self, committed: int) -> None:
+        """Lightning's optimizer step counter set to the Manager's, `committed` steps done,
+        before Lightning adds one: the global step ends at `committed`, also after a dropped
+        step."""
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
         steps = loop.automatic_optimization.optim_progress.optimizer.step.total
         steps.ready, steps.completed = committed, committed - 1
-        loop._batches_that_stepped = committed if dropped else committed - 1
-        self._retry = committed if dropped else None
 
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-        if self._retry is not None:  # before any callback logs for the next batch
-            self.lightning_module.trainer.fit_loop.epoch_loop._batches_that_stepped = self._retry
-            self._retry = None
+        trainer = self.lightning_module.trainer
+        if self.manager is not None and trainer.training and not self._quorum:
+            self._start_step()
         return super().batch_to_device(batch, device, dataloader_idx)
+
+    def _start_step(self) -> None:
+        """The quorum of the optimizer step this batch begins (a heal applied), and Lightning's
+        step counters at the Manager's step, before any callback logs for the batch: a joining
+        group's first batch logs at the step it trains, and a dropped step's batch is trained
+        again, and logged again in its row, at the index it tried."""
+        self.manager.start_quorum()
+        self._quorum = True
+        step = self.manager.current_step()
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        steps = loop.automatic_optimization.optim_progress.optimizer.step.total
+        steps.ready = steps.completed = step
+        loop._batches_that_stepped = step
 
     # ---- healing: what a live group sends one that joins behind it
     def _state(self) -> dict[str, Any]:
