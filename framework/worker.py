@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework import secrets, watchdog
+from framework import allocator, secrets, watchdog
 from framework.config import job_plan
 from framework.config.job_plan import JobPlan
 from framework.context import RunContext, load_run_state
@@ -40,6 +40,7 @@ TRAINER_KEYS_SKIPPED = (
     "accelerator",
     "activation_checkpointing",
     "compile",
+    "malloc",
     "peak_tflops",
     "scale_lr",
     "reference_batch_size",
@@ -130,6 +131,7 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     # an elastic job that lost a node: the smaller world, with the global batch kept
     plan = fit_plan(job_plan.for_worker(job))
     cfg, world, data_parallel = plan.cfg, plan.world, plan.data_parallel
+    allocator.configure(cfg.trainer.malloc)  # before the model's and the steps' tensors
     ctx = make_context(plan, run_dir, resume_from)
     # Read at import time by Lightning; a forked worker inherited the launcher's value (0).
     from lightning_utilities.core.rank_zero import rank_zero_only

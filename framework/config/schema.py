@@ -140,6 +140,13 @@ class TrainerConfig:
         ("none", "full", "selective"),
     )
     compile: bool = doc(False, "torch.compile every block of the model (not the task module).")
+    malloc: str = doc(
+        "reuse",
+        "glibc malloc in each training process: reuse (large freed CPU blocks stay mapped for "
+        "the next step: no page faults a step, resident memory stays at its peak) or system "
+        "(glibc's adaptive thresholds). MALLOC_* variables, when set, win (framework/allocator.py).",
+        ("reuse", "system"),
+    )
     peak_tflops: float | None = doc(
         None,
         "Peak TFLOP/s of one device for perf/mfu (None: the known GPU's dense bf16 peak; "

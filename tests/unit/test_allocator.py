@@ -1,0 +1,113 @@
+"""`trainer.malloc` (framework/allocator.py): with `reuse`, a large block freed by one step is
+reused by the next with no page faults; `system` and the user's own MALLOC_* variables leave
+glibc as it is; a value outside the choices is refused before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from framework import allocator
+from framework.cli import main
+
+# A child process frees a 64 MiB block and allocates it again; the faults of writing it again.
+REFAULTS = """
+import ctypes, resource, sys
+from framework import allocator
+print(allocator.configure(sys.argv[1], {}), file=sys.stderr)
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+size = 64 << 20
+block = libc.malloc(size); ctypes.memset(block, 1, size); libc.free(block)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+block = libc.malloc(size); ctypes.memset(block, 1, size)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def refaults(mode: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", REFAULTS, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_reuse_keeps_a_freed_block_mapped_for_the_next_step():
+    pages = (64 << 20) // 4096
+    assert refaults("system") >= pages // 2  # glibc maps it afresh: every page faults again
+    assert refaults("reuse") < 100
+
+
+class Mallopt:
+    """libc's mallopt as configure sees it: records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, option: int, value: int) -> int:
+        self.calls.append((option, value))
+        return 1
+
+
+class FakeLibc:
+    """What configure sees of glibc."""
+
+    def __init__(self) -> None:
+        self.mallopt = Mallopt()
+        self.calls = self.mallopt.calls
+
+    def gnu_get_libc_version(self) -> bytes:
+        return b"2.36"
+
+
+@pytest.fixture
+def libc(monkeypatch) -> FakeLibc:
+    fake = FakeLibc()
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: fake)
+    return fake
+
+
+def test_reuse_sets_both_thresholds_and_system_sets_none(libc):
+    assert allocator.configure("reuse", {}) == "reuse"
+    assert libc.calls == [
+        (allocator.M_MMAP_THRESHOLD, allocator.MMAP_THRESHOLD),
+        (allocator.M_TRIM_THRESHOLD, allocator.TRIM_THRESHOLD),
+    ]
+    libc.calls.clear()
+    assert allocator.configure("system", {}) == "skipped: trainer.malloc=system"
+    assert libc.calls == []
+
+
+@pytest.mark.parametrize(
+    "environ, named",
+    [
+        ({"MALLOC_TRIM_THRESHOLD_": "4294967296"}, "MALLOC_TRIM_THRESHOLD_"),
+        ({"MALLOC_MMAP_THRESHOLD_": "65536"}, "MALLOC_MMAP_THRESHOLD_"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, "GLIBC_TUNABLES"),
+    ],
+)
+def test_the_users_own_malloc_settings_win(libc, environ, named):
+    assert allocator.configure("reuse", environ) == f"skipped: set in the environment ({named})"
+    assert libc.calls == []
+
+
+def test_elsewhere_than_linux_nothing_is_called(libc, monkeypatch):
+    monkeypatch.setattr(allocator.sys, "platform", "darwin")
+    assert allocator.configure("reuse", {}) == "skipped: not Linux (darwin)"
+    assert libc.calls == []
+
+
+def test_a_bad_value_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "task=digits", "trainer.malloc=keep", "run.dir=run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err, err
+    assert "trainer.malloc=keep: not a valid choice. Valid choices: reuse, system." in err
+    assert list(tmp_path.iterdir()) == [], "nothing written"
