@@ -111,3 +111,13 @@ def test_a_bad_value_is_refused_before_anything_starts(tmp_path, monkeypatch, ca
     assert code == 2 and "Traceback" not in err, err
     assert "trainer.malloc=keep: not a valid choice. Valid choices: reuse, system." in err
     assert list(tmp_path.iterdir()) == [], "nothing written"
+
+
+def test_a_training_process_applies_its_setting_before_training(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(allocator, "configure", lambda mode: asked.append(mode) or mode)
+    monkeypatch.chdir(tmp_path)
+    short = ["trainer.max_steps=1", "logger=[]", "callbacks=none", "trainer.malloc=system"]
+    short += ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+    assert main(["train", "task=digits", *short, "run.dir=run"]) == 0
+    assert asked == ["system"]
