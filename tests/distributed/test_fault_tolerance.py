@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from recipes.digits.task import DigitsTask
-from tests.conftest import FW, QUIET, fw_env, read_metrics, refused
+from tests.conftest import FW, QUIET, fw_env, losses, read_metrics, refused
 
 pytest.importorskip("torchft")
 
@@ -129,13 +129,19 @@ def last_step(out: Path, group: int) -> int:
     return found[-1][0] if found else -1
 
 
-@pytest.fixture
-def lighthouse():
-    """A torchft lighthouse in this process: a quorum of whoever is there after 1 s."""
+def start_lighthouse(min_replicas: int):
+    """A torchft lighthouse in this process: a quorum of whoever is there after 1 s, of at
+    least `min_replicas` groups."""
     from torchft._torchft import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
-    yield "localhost:" + server.address().rsplit(":", 1)[1]
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000)
+    return server, "localhost:" + server.address().rsplit(":", 1)[1]
+
+
+@pytest.fixture
+def lighthouse():
+    server, address = start_lighthouse(1)
+    yield address
     server.shutdown()
 
 
@@ -216,6 +222,52 @@ def test_a_killed_replica_group_rejoins_from_a_live_peer(workdir, lighthouse):
             assert torch.equal(tensor, other[name]), name
 
 
+@pytest.mark.slow
+def test_groups_of_two_processes_train_as_one_ddp_job_of_four(workdir, one_process):
+    """2 groups x 2 processes (ddp inside each, torchft across) with batch 8 a process: the
+    mean of the groups' losses is the one-process run's with the global batch of 32 (which a
+    4-process ddp job reproduces: test_ddp.py), and the groups end with equal weights."""
+    server, address = start_lighthouse(2)  # the first quorum waits for both groups
+    args = [
+        "task=digits",
+        "task.data.batch_size=8",
+        "trainer.max_steps=20",
+        "trainer.deterministic=true",
+        "trainer.log_every_n_steps=1",
+        "logger=[csv]",
+        "callbacks.checkpoint.every_n_steps=1000",  # the final one only
+        "strategy=ddp",
+        "trainer.devices=2",
+        "strategy.fault_tolerance=torchft",
+        f"strategy.lighthouse={address}",
+        "strategy.replica_groups=2",
+        "strategy.min_replicas=2",
+        "strategy.fault_timeout_s=30",
+        *QUIET,
+    ]
+    procs = [
+        start([*args, f"strategy.replica_group={g}", f"run.dir=g{g}"], workdir) for g in (0, 1)
+    ]
+    lines = [follow(p) for p in procs]  # read as they come: neither group blocks on its pipe
+    try:
+        ends = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        server.shutdown()
+    assert ends == [0, 0], "\n---\n".join("".join(x)[-3000:] for x in lines)
+    ref = one_process["digits"]
+    mean = [losses(workdir / "g0"), losses(workdir / "g1")]
+    assert sorted(mean[0]) == sorted(mean[1]) == sorted(ref) == list(range(20))
+    for step in range(20):
+        both = (mean[0][step] + mean[1][step]) / 2
+        assert abs(both - ref[step]) <= 1e-5, (step, both, ref[step])
+    finals = [final_weights(workdir / f"g{g}") for g in (0, 1)]
+    for name, tensor in finals[0].items():
+        assert torch.equal(tensor, finals[1][name]), name
+
+
 def report(out: Path, killed: float, restarted: float, released: float) -> None:
     """What recovery took (printed; pytest -s shows it): the survivors' steps around the kill,
     and group 2's start and heal."""
@@ -248,12 +300,12 @@ GOOD = [
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        ([*GOOD, "trainer.devices=2"], "trainer.devices=2: strategy.fault_tolerance=torchft runs"),
+        ([*GOOD, "trainer.num_nodes=2"], "trainer.num_nodes=2: strategy.fault_tolerance=torchft"),
         ([*GOOD], "strategy.fault_tolerance=torchft needs the address of a running torchft"),
         ([*GOOD, "strategy.replica_group=2"], "strategy.replica_group=2: groups are numbered"),
         ([*GOOD, "strategy.min_replicas=3"], "strategy.min_replicas=3: more than"),
     ],
-    ids=["devices", "no-lighthouse", "group", "min-replicas"],
+    ids=["nodes", "no-lighthouse", "group", "min-replicas"],
 )
 def test_bad_settings_are_refused_before_launch(args, says, workdir, monkeypatch, capsys):
     err = refused(args, workdir, monkeypatch, capsys)

@@ -3,9 +3,10 @@
 gloo on CPU, NCCL on CUDA. With one process in total it uses Lightning's single-device strategy,
 which runs the same numerics without the wrapper and collective overhead.
 
-With `fault_tolerance=torchft` each `fw train` command is one replica group of one process;
-the groups average their gradients through torchft, go on when one dies and heal it from a live
-peer when it comes back (framework/strategies/ddp/fault_tolerance.py, replica_groups.py).
+With `fault_tolerance=torchft` each `fw train` command is one replica group (of
+`trainer.devices` processes, ddp inside); the groups average their gradients through torchft,
+go on when one dies and heal it from a live peer when it comes back
+(framework/strategies/ddp/fault_tolerance.py, replica_groups.py).
 """
 
 from __future__ import annotations
@@ -71,27 +72,33 @@ def check_move(cfg: Config, source: str) -> None:
 
 
 def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
-    if cfg.fault_tolerance == "torchft":  # one process per replica group
-        return cfg.replica_group, cfg.replica_groups
+    if cfg.fault_tolerance == "torchft":  # the groups' processes read in turn, group by group
+        group = cfg.replica_group * world.world_size
+        return group + world.rank, cfg.replica_groups * world.world_size
     return world.rank, world.world_size
 
 
 def build(cfg: Config, world: World, inputs):
     from framework.strategies.ddp.strategy import PortableDDP, PortableSingleDevice
 
-    if cfg.fault_tolerance == "torchft":
+    torchft = cfg.fault_tolerance == "torchft"
+    if torchft and world.world_size == 1:
         from framework.strategies.ddp.replica_groups import ReplicaGroup
 
         return ReplicaGroup(cfg, device=local_device(world), inputs=inputs)
     if world.world_size == 1:
         return PortableSingleDevice(device=local_device(world), inputs=inputs)
-    backend = collective_backend(cfg.backend, world)
-    return PortableDDP(
+    ddp = dict(
         inputs=inputs,
-        process_group_backend=backend,
+        process_group_backend=collective_backend(cfg.backend, world),
         timeout=timedelta(seconds=cfg.timeout_s),
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         bucket_cap_mb=cfg.bucket_cap_mb,
     )
+    if torchft:  # DDP inside the group, torchft across the groups
+        from framework.strategies.ddp.replica_groups import ReplicaGroupDDP
+
+        return ReplicaGroupDDP(cfg, **ddp)
+    return PortableDDP(**ddp)

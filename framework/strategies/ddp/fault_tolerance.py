@@ -44,21 +44,16 @@ def validate(cfg: Any, world: World) -> None:
             "torchft is not installed",
             hint="Install it with `pip install 'framework[torchft]'` (make install does).",
         )
-    if world.world_size != 1:
-        key, value = (
-            ("trainer.num_nodes", world.num_nodes)
-            if world.num_nodes > 1
-            else ("trainer.devices", world.devices)
-        )
+    if world.num_nodes != 1:
         raise ConfigError(
-            key,
-            value,
-            "strategy.fault_tolerance=torchft runs one process per replica group: each "
-            "`fw train` command is one group, and the groups average their gradients through "
-            "torchft",
+            "trainer.num_nodes",
+            world.num_nodes,
+            "strategy.fault_tolerance=torchft runs each replica group on one machine: each "
+            "`fw train` command is one group (of trainer.devices processes), and the groups "
+            "average their gradients through torchft",
             ["1"],
-            hint="Start one command per replica group, each with trainer.devices=1, "
-            "trainer.num_nodes=1 and its own strategy.replica_group and run.dir.",
+            hint="Start one command per replica group, each with trainer.num_nodes=1 and its "
+            "own strategy.replica_group and run.dir.",
         )
     if cfg.replica_group >= cfg.replica_groups:
         raise ConfigError(

@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from framework.strategies.ddp.fault_tolerance import lighthouse_url
@@ -49,8 +49,9 @@ class _Dropped(Exception):
     """The quorum did not commit this step: the optimizer must not step."""
 
 
-class ReplicaGroup(Replicated, SingleDeviceStrategy):
-    """One process that is one torchft replica group."""
+class ReplicaSteps:
+    """The torchft step of one process of a replica group, mixed in front of the Lightning
+    strategy that syncs the group inside (none for a group of one process, DDP for several)."""
 
     def __init__(self, cfg: Any, *args: Any, **kwargs: Any) -> None:
         self.cfg = cfg
@@ -71,14 +72,11 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
             self.manager = self._start_manager()
 
     def _start_manager(self) -> Any:
-        from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         cfg = self.cfg
         timeout = timedelta(seconds=cfg.fault_timeout_s)
-        host = socket.gethostname()  # where the other groups reach this one's store and server
-        # this group's own store (torchft's process groups meet in the quorum leader's)
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        host, port = self._group_store()
         cuda = self.root_device.type == "cuda"
         pg = ProcessGroupNCCL(timeout=timeout) if cuda else ProcessGroupGloo(timeout=timeout)
         manager = Manager(
@@ -90,10 +88,10 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
+            rank=self.global_rank,  # within the group: its processes share the quorum
+            world_size=self.world_size,
             store_addr=host,
-            store_port=self._store.port,
+            store_port=port,
             lighthouse_addr=lighthouse_url(cfg.lighthouse),
             replica_id=f"fw_group{cfg.replica_group}",
             hostname=host,
@@ -105,6 +103,20 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
             cfg.lighthouse,
         )
         return manager
+
+    def _group_store(self) -> tuple[str, int]:
+        """The address of a store the group's rank 0 serves: its processes find its Manager
+        server there, and torchft's process groups meet in the quorum leader's."""
+        from torch.distributed import TCPStore
+
+        address = [None]
+        if self.global_rank == 0:
+            host = socket.gethostname()  # where the other groups reach this one
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            address = [(host, self._store.port)]
+        if self.world_size > 1:
+            torch.distributed.broadcast_object_list(address, src=0)
+        return address[0]
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -224,3 +236,13 @@ class ReplicaGroup(Replicated, SingleDeviceStrategy):
             self.manager = None
         self._store = None
         super().teardown()
+
+
+class ReplicaGroup(ReplicaSteps, Replicated, SingleDeviceStrategy):
+    """A replica group of one process."""
+
+
+class ReplicaGroupDDP(ReplicaSteps, Replicated, DDPStrategy):
+    """One process of a replica group of several: DDP averages the gradients over the group
+    (its own process group), then torchft over the groups, each process with its peers of
+    the same rank in the other groups."""
