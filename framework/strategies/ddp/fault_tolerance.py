@@ -1,7 +1,8 @@
 """`strategy=ddp strategy.fault_tolerance=torchft`: the settings and their checks (light: no torch).
 
-Each `fw train` command is one replica group of one process, `strategy.replica_group` of
-`strategy.replica_groups`, with its own run directory; every group names the same torchft
+Each `fw train` command is one replica group of `trainer.devices` processes on one machine,
+`strategy.replica_group` of `strategy.replica_groups`, with its own run directory (every group
+has the same number of processes); every group names the same torchft
 lighthouse (`strategy.lighthouse`), which forms a quorum of the live groups at each step. The
 Lightning strategy that does the work is framework/strategies/ddp/replica_groups.py.
 """

@@ -1,15 +1,18 @@
 """The Lightning strategy behind `strategy.fault_tolerance=torchft` (imports torchft: workers only).
 
-This process is one replica group (framework/strategies/ddp/fault_tolerance.py). torchft's
-`Manager` owns the step, in the order its own DDP and optimizer wrappers give it:
+This process is one replica group, or one of its processes
+(framework/strategies/ddp/fault_tolerance.py). Each process has a torchft `Manager` (the
+group's rank 0 serves the group's: its processes share the quorum), which owns the step, in
+the order torchft's own DDP and optimizer wrappers give it:
 
 - a quorum of the live groups is asked of the lighthouse before each optimizer step's first
   batch reaches the task (before any callback logs for it), and waited for: a group that joins
   behind the others is healed then (below), so that it trains, and logs, that batch at the
   step and with the weights and learning rate of the others;
-- after the backward the gradients, flattened into one buffer per dtype, are averaged over the
-  groups of the quorum by the Manager's all-reduce (on its own process group, which it rebuilds
-  whenever the quorum changes);
+- after the backward (and DDP's average inside a group of several processes) the gradients,
+  flattened into one buffer per dtype, are averaged over the groups of the quorum by the
+  Manager's all-reduce, each process with the processes of the same rank in the other groups
+  (on torchft's own process group, which it rebuilds whenever the quorum changes);
 - the optimizer steps only when the step's all-reduce went through (`should_commit`): a step
   during which a group died is dropped, and the survivors go on with their next batch, no
   process restarted, no checkpoint read (a group that committed it while another did not is
