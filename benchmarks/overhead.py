@@ -33,13 +33,18 @@ process every core, but on a shared machine two threads on two cores stall whene
 process takes a core: in trial runs (hidden 16384, batch 256) the plain loop's step varied between
 21 and 69 ms from run to run with two threads, and between 31 and 34 ms with one.
 
-Each side also counts the minor page faults its process takes per step, after warm-up. At the large
-size, glibc's malloc may give the big freed buffers back to the kernel and take fresh zeroed pages
-on the next step, more or less often depending on each process's heap history, which costs wall
-time unrelated to the training loop. To take that out of the comparison, run the script with, for
-example, MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 in the environment:
-every side inherits it, and the results then go to benchmarks/results/overhead_malloc.json (which
-records the variables) instead of overhead.json.
+Each side also counts the minor page faults its process takes per step, after warm-up, and its
+resident size when training ends. At the large size, glibc's malloc may give the big freed
+buffers back to the kernel and take fresh zeroed pages on the next step, more or less often
+depending on each process's heap history (from 1,300 to 6,400 faults a step from run to run of
+the same command, for the same 7 allocations of 1 MiB or more a step on both sides). fw fixes
+glibc's thresholds in its training process (trainer.malloc=reuse, framework/allocator.py, the
+default): so at the large size a further column, `fw malloc=system`, runs fw with glibc's own
+thresholds, as the plain loop and plain Lightning run. To take the allocator out of every side,
+run the script with, for example, MALLOC_MMAP_THRESHOLD_=4294967296
+MALLOC_TRIM_THRESHOLD_=4294967296 in the environment: every side inherits it (fw then leaves
+malloc alone), and the results go to benchmarks/results/overhead_malloc.json (which records the
+variables) instead of overhead.json.
 
 Run from the repository root: `python -m benchmarks.overhead` (or `make bench`).
 """
@@ -98,9 +103,9 @@ def sizes(task) -> dict[str, Size]:
     }
 
 
-def step_figures(times: dict, size: Size) -> tuple[float, float, float]:
+def step_figures(times: dict, size: Size) -> tuple[float, float, float, float]:
     """(median start-to-start interval in ms, the same in the training thread's CPU time in ms,
-    minor page faults per step), warm-up left out."""
+    minor page faults per step, resident MiB when training ended), warm-up left out."""
     starts, faults = times["starts"][size.warmup :], times["faults"][size.warmup :]
     cpu = times["cpu"][size.warmup :]
     gaps = [b - a for a, b in pairwise(starts)]
@@ -109,7 +114,17 @@ def step_figures(times: dict, size: Size) -> tuple[float, float, float]:
         1000 * statistics.median(gaps),
         1000 * statistics.median(cpu_gaps),
         (faults[-1] - faults[0]) / len(gaps),
+        times["rss_mib"],
     )
+
+
+def resident_mib() -> float:
+    """This process's resident memory now, in MiB (Linux's /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class CpuStepTimer(StepTimer):
@@ -128,7 +143,8 @@ class CpuStepTimer(StepTimer):
         super().on_train_end(trainer, pl_module)
         name = self.path.name.replace("RANK", str(trainer.global_rank))
         times = json.loads(self.path.with_name(name).read_text())
-        self.path.with_name(name).write_text(json.dumps({**times, "cpu": self.cpu}))
+        record = {**times, "cpu": self.cpu, "rss_mib": resident_mib()}
+        self.path.with_name(name).write_text(json.dumps(record))
 
 
 def default_callbacks() -> list[str]:
@@ -144,6 +160,11 @@ def fw_sides(callbacks: list[str]) -> dict[str, list[str]]:
         **{f"fw -{name}": [f"~callbacks.{name}"] for name in callbacks},
         "fw callbacks=none": ["callbacks=none"],
     }
+
+
+# fw with glibc's own malloc thresholds, as the plain loop and plain Lightning run
+GLIBC_SIDE = "fw malloc=system"
+GLIBC_MALLOC = {GLIBC_SIDE: ["trainer.malloc=system"]}
 
 
 def run_fw(
@@ -257,7 +278,8 @@ def run_plain(task, size: Size) -> tuple[tuple[float, float], dict]:
             if len(starts) == size.steps:
                 break
         epoch += 1
-    return step_figures({"starts": starts, "cpu": cpu, "faults": faults}, size), net.state_dict()
+    times = {"starts": starts, "cpu": cpu, "faults": faults, "rss_mib": resident_mib()}
+    return step_figures(times, size), net.state_dict()
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -331,8 +353,18 @@ def summarise(size: Size, runs: dict[str, list[tuple]], diffs: list[float]) -> d
             },
             "ms_per_run": ms,
         }
+        if GLIBC_SIDE in ms:
+            out[clock]["ratio_glibc_fw_over_lightning_paired"] = statistics.median(
+                a / b for a, b in zip(ms[GLIBC_SIDE], ms["lightning"], strict=True)
+            )
     out["minor_page_faults_per_step"] = {
         side: statistics.median(r[2] for r in each) for side, each in runs.items()
+    }
+    # the plain loop runs in this script's process: its resident size is not the loop's alone
+    out["resident_mib_at_end"] = {
+        side: statistics.median(r[3] for r in each)
+        for side, each in runs.items()
+        if side != "plain"
     }
     out["max_abs_weight_difference"] = max(diffs)
     return out
@@ -423,17 +455,26 @@ def print_tables(measured: dict[str, Size], summary: dict, top: list[dict]) -> N
                 cells = "".join(f"{c:>+24.4f}" if c is not None else f"{'':>24}" for c in costs)
                 print(f"{'cost: fw - (' + side + ')':34}{cells}")
     print()
-    for side in ("fw", *PLAIN_SIDES):
-        cells = "".join(f"{s['minor_page_faults_per_step'][side]:>24.0f}" for s in summary.values())
-        print(f"{f'page faults/step, {side}':34}{cells}")
+    for figure, name in (
+        ("minor_page_faults_per_step", "page faults/step"),
+        ("resident_mib_at_end", "resident MiB at end"),
+    ):
+        for side in ["plain", "lightning", "fw", *GLIBC_MALLOC]:
+            cells = [s[figure].get(side) for s in summary.values()]
+            if any(c is not None for c in cells):
+                text = "".join(f"{c:>24.0f}" if c is not None else f"{'':>24}" for c in cells)
+                print(f"{f'{name}, {side}':34}{text}")
     cells = "".join(f"{s['max_abs_weight_difference']:>24.2e}" for s in summary.values())
     print(f"{'max |weights fw - plain|':34}{cells}")
-    cells = "".join(
-        f"{s[clock]['ratio_fw_over_lightning_paired']:>24.3f}"
-        for s in summary.values()
-        for clock in CLOCKS[:1]
-    )
-    print(f"{'fw / Lightning, paired median':34}{cells}")
+    for clock in CLOCKS:
+        cells = "".join(
+            f"{s[clock]['ratio_fw_over_lightning_paired']:>24.3f}" for s in summary.values()
+        )
+        print(f"{f'fw / Lightning, paired, {clock}':34}{cells}")
+    for clock in CLOCKS:
+        ratios = [s[clock].get("ratio_glibc_fw_over_lightning_paired") for s in summary.values()]
+        cells = "".join(f"{r:>24.3f}" if r is not None else f"{'':>24}" for r in ratios)
+        print(f"{f'fw malloc=system / Lightning, {clock}':34}{cells}")
     print(f"target: fw / Lightning <= {TARGET_RATIO} at both sizes")
     if not top:
         return
@@ -465,10 +506,11 @@ def main() -> None:
     torch.set_num_threads(THREADS)  # as many intra-op threads as fw and Lightning get (ENV)
     measured = sizes(task)
     every = fw_sides(default_callbacks())
-    # a callback's fixed cost shows at the default size; at the large size it is within noise
+    # a callback's fixed cost shows at the default size; at the large size it is within noise,
+    # and the allocator's cost shows there
     variants = {
         "default": {"fw": every["fw"]} if args.baselines_only else every,
-        "large": {"fw": every["fw"]},
+        "large": {"fw": every["fw"], **GLIBC_MALLOC},
     }
     runs, diffs = measure(task, measured, variants, args.repeats)
     summary = {name: summarise(size, runs[name], diffs[name]) for name, size in measured.items()}
