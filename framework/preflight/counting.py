@@ -7,6 +7,8 @@ from __future__ import annotations
 
 COLLECTIVES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}  # op namespaces
 NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # in them, sending nothing
+# a model whose step depends on its data is counted on real tensors up to this many parameters
+REAL_COUNT_PARAMS = 5e7
 
 
 def host_counting():
@@ -37,6 +39,22 @@ def host_counting():
                     "collectives": self.collectives}  # fmt: skip
 
     return HostCounting()
+
+
+def real_calls(run, contexts) -> dict[str, int]:
+    """`host_counting`'s counts of `run` (forward and backward) on real tensors, under
+    `contexts` (the step's autocast, the fake group's all-to-all made consistent): for a step whose shapes depend on its data (routed
+    experts: tokens per expert), which fake tensors cannot run. On the fake process group every
+    collective returns at once, whatever it was sent: its count is the real step's."""
+    import contextlib
+
+    counter = host_counting()
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        with counter:
+            run()
+    return counter.counts()
 
 
 def fsdp_units(module) -> int:

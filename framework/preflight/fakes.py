@@ -61,6 +61,27 @@ def copyable_fakes():
             FakeTensor.__deepcopy__ = own
 
 
+@contextlib.contextmanager
+def mirrored_all_to_all():
+    """On the fake process group with real tensors (a step whose shapes depend on its data), the
+    functional all-to-all returns what this rank sends, as if every rank sent the same: its
+    received sizes then match, and the routed experts' step runs. Each all-to-all is still
+    issued on the group (the fake one returns at once), forward and backward, so it is counted."""
+    from torch.distributed import _functional_collectives as functional
+
+    issued = functional.all_to_all_single
+
+    def mirrored(x, output_split_sizes, input_split_sizes, group, tag=""):
+        out = issued(x, input_split_sizes, input_split_sizes, group, tag)
+        return out + (x - out).detach()  # x's values; gradients flow back through `out`
+
+    functional.all_to_all_single = mirrored
+    try:
+        yield
+    finally:
+        functional.all_to_all_single = issued
+
+
 def fake_batch(mode, batch: Any) -> Any:
     if torch.is_tensor(batch):
         return mode.from_tensor(batch)

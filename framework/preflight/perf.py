@@ -144,7 +144,7 @@ def counting_mode():
     return Counting()
 
 
-def count_replica(cfg, batch, max_real_params: float = 5e7) -> Work:
+def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
     """One whole replica's optimizer step (forward, backward, with the job's activation
     checkpointing and precision) counted on fake tensors; a model whose shapes depend on the
     data (routed experts) is counted on real tensors when small, else estimated at 6 FLOPs per
@@ -153,7 +153,9 @@ def count_replica(cfg, batch, max_real_params: float = 5e7) -> Work:
     from framework.nn.transforms import ModelTransforms
     from framework.preflight import fakes
     from framework.preflight import simulate as sim
+    from framework.preflight.counting import REAL_COUNT_PARAMS
 
+    max_real_params = REAL_COUNT_PARAMS if max_real_params is None else max_real_params
     rows, tokens = sizes_in(batch)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
     mode = sim.fake_mode()

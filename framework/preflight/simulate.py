@@ -78,7 +78,7 @@ def local_bytes(tensors) -> int:
 def build_fake_task(task_cfg: DictConfig, mode, precision: str):
     from framework.instantiate import build_task
 
-    with mode, copyable_fakes():
+    with mode or contextlib.nullcontext(), copyable_fakes():  # None: real tensors
         task = build_task(task_cfg)
         if precision in ("bf16-true", "16-true", "64-true"):
             task = task.to(
@@ -267,40 +267,52 @@ def parallel_rank(
     task_cfg, trainer_cfg, batch, rank: int, cfg, dims, transforms, cuda: bool
 ) -> RankMemory:
     """A rank of the parallel strategy: the worker's own mesh, cut, plans and FSDP units."""
-    from framework.parallel.parallelize import parallelize
-    from framework.preflight.counting import fsdp_units
+    from framework.preflight.counting import REAL_COUNT_PARAMS, fsdp_units, real_calls
 
     mode = fake_mode()
     precision = trainer_cfg.precision
-    coords = dims.coordinates(rank)
+    built = (task_cfg, trainer_cfg, batch, rank, cfg, dims, transforms, cuda)
     with fake_world(rank, dims.world_size), _quiet_logging():
-        task = build_fake_task(task_cfg, mode, precision)
-        mesh = dims.build_mesh("cpu")
-        batch = fakes.fake_batch(mode, batch)
-        cut, inputs = before_parallelize(task, cfg, dims, coords, batch)
-        tensor, fsdp = settings(task, cfg, dims, cut)
-        stages = parallelize(
-            task, mesh, dims, tensor, fsdp, transforms, cut, torch.device("cpu"), cfg.cp_mode
-        )
-        optimizer = optimizer_of(task, cuda)
-        where = " ".join(f"{k}{v}" for k, v in coords.items() if getattr(dims, k) > 1)
-        if dims.cp > 1:
-            where += f" cp{coords['fsdp'] % dims.cp}"
-        if cut is None:
-            run = whole_step(task, batch, tensor.loss_parallel and dims.tp > 1, plan_of(task))
-            role, flight = where, 1
-        else:
-            run = stage_steps(task, stages, inputs, cut)
-            role = f"stage {'+'.join(str(s) for s in cut.mine)} ({where})"
-            flight = in_flight(cfg, dims, coords["pp"])
+        task, optimizer, run, role, flight = rank_step(*built, mode)
         held, temporaries, grads, states, host = step(task, optimizer, run, precision, mode)
         host["fsdp_units"] = fsdp_units(task)
+        if held is None and sum(p.numel() for p in task.parameters()) <= REAL_COUNT_PARAMS:
+            # shapes that depend on the data (routed experts): forward and backward's calls
+            # counted on real tensors, on the same fake process group
+            real = [autocast(precision), fakes.mirrored_all_to_all()]
+            host.update(real_calls(rank_step(*built, None)[2], real))
     params = local_bytes(task.parameters())
     note = f"x{flight} microbatches in flight" if flight > 1 else ""
     if held is None:
         note = UNSIMULATED
     activations_held = (held or 0) * flight
     return RankMemory(rank, role, params, grads, states, activations_held, temporaries, note, host)
+
+
+def rank_step(task_cfg, trainer_cfg, batch, rank, cfg, dims, transforms, cuda, mode):
+    """The rank's task made parallel (on fake tensors of `mode`, or real ones for None), its
+    optimizer, its step (forward and backward), its role and its microbatches in flight."""
+    from framework.parallel.parallelize import parallelize
+
+    coords = dims.coordinates(rank)
+    task = build_fake_task(task_cfg, mode, trainer_cfg.precision)
+    mesh = dims.build_mesh("cpu")
+    batch = batch if mode is None else fakes.fake_batch(mode, batch)
+    cut, inputs = before_parallelize(task, cfg, dims, coords, batch)
+    tensor, fsdp = settings(task, cfg, dims, cut)
+    stages = parallelize(
+        task, mesh, dims, tensor, fsdp, transforms, cut, torch.device("cpu"), cfg.cp_mode
+    )
+    optimizer = optimizer_of(task, cuda)
+    where = " ".join(f"{k}{v}" for k, v in coords.items() if getattr(dims, k) > 1)
+    if dims.cp > 1:
+        where += f" cp{coords['fsdp'] % dims.cp}"
+    if cut is None:
+        run = whole_step(task, batch, tensor.loss_parallel and dims.tp > 1, plan_of(task))
+        return task, optimizer, run, where, 1
+    run = stage_steps(task, stages, inputs, cut)
+    role = f"stage {'+'.join(str(s) for s in cut.mine)} ({where})"
+    return task, optimizer, run, role, in_flight(cfg, dims, coords["pp"])
 
 
 def before_parallelize(task, cfg, dims, coords, batch):

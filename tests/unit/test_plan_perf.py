@@ -306,3 +306,21 @@ def test_fsdp_steps_the_optimizer_on_dtensors_op_for_op_as_a_replica_on_tensors(
     # gpt_tiny: 2 blocks and the root are units; each all-gathers its parameters in forward
     # and again in backward, and reduce-scatters its gradients
     assert fsdp["fsdp_units"] == 3 and fsdp["collectives"] == 3 * 2 + 3
+
+
+def test_the_expert_layers_calls_are_counted_on_real_tensors():
+    """moe_gpt's routed experts have data-dependent shapes, which fake tensors cannot run: the
+    simulated rank's forward and backward are counted again on real tensors (same fake process
+    group). What the host term then sees is what a real step issues: per MoE layer 5 all-to-alls
+    (tokens per expert, the rows and the rows back in forward; the rows' gradients both ways in
+    backward), besides FSDP2's gathers and reduce-scatters (3 per unit, as under fsdp), and
+    operations on the experts' DTensor weights."""
+    from framework.preflight.check import check
+
+    world = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.num_nodes=1"]
+    tiny = ["experiment=moe_gpt_tiny", "strategy=expert", "strategy.ep=2", *world]
+    rank = check(tiny, quick=True).ranks[0]
+    host, layers = rank.host, 2
+    assert rank.note.startswith("activations not simulated")  # memory: model states only
+    assert host["collectives"] == 3 * host["fsdp_units"] + 5 * layers
+    assert host["dtensor_ops"] > 0 and host["optimizer_dtensor_ops"] > 0
