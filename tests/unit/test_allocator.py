@@ -13,10 +13,13 @@ from framework import allocator
 from framework.cli import main
 
 # A child process frees a 64 MiB block and allocates it again; the faults of writing it again.
+# With "fork", a process forked after configure does it (as a DataLoader worker would).
 REFAULTS = """
-import ctypes, resource, sys
+import ctypes, os, resource, sys
 from framework import allocator
 print(allocator.configure(sys.argv[1], {}), file=sys.stderr)
+if sys.argv[2:] == ["fork"] and os.fork():
+    sys.exit(os.wait()[1])
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 size = 64 << 20
@@ -27,9 +30,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def refaults(mode: str) -> int:
+def refaults(mode: str, *how: str) -> int:
     done = subprocess.run(
-        [sys.executable, "-c", REFAULTS, mode],
+        [sys.executable, "-c", REFAULTS, mode, *how],
         capture_output=True,
         text=True,
         check=True,
@@ -42,6 +45,7 @@ def test_reuse_keeps_a_freed_block_mapped_for_the_next_step():
     pages = (64 << 20) // 4096
     assert refaults("system") >= pages // 2  # glibc maps it afresh: every page faults again
     assert refaults("reuse") < 100
+    assert refaults("reuse", "fork") < 100  # a forked DataLoader worker inherits it
 
 
 class Mallopt:
