@@ -62,6 +62,7 @@ class ReplicaSteps:
         self._store: Any = None
         self._groups = 0  # replica groups in the last quorum, for the log
         self._quorum = False  # asked for the optimizer step under way
+        self._undo: list[tuple[Any, dict]] = []  # schedulers as before a dropped step
         super().__init__(*args, **kwargs)
 
     def setup(self, trainer: Any) -> None:
@@ -142,7 +143,13 @@ class ReplicaSteps:
 
         try:
             return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        except _Dropped:
+        except _Dropped:  # Lightning steps the schedulers after the batch all the same
+            trainer = self.lightning_module.trainer
+            self._undo = [
+                (c.scheduler, c.scheduler.state_dict())
+                for c in trainer.lr_scheduler_configs
+                if c.interval == "step"
+            ]
             log.warning(
                 "torchft: step %d not committed (a replica group failed during it): the "
                 "optimizer did not step, the next batch trains it",
@@ -200,9 +207,15 @@ class ReplicaSteps:
     def _start_step(self) -> None:
         """The quorum of the optimizer step this batch begins (a heal applied), and Lightning's
         step counters at the Manager's step, before any callback logs for the batch: a joining
-        group's first batch logs at the step it trains, and a dropped step's batch is trained
-        again, and logged again in its row, at the index it tried."""
-        self.manager.start_quorum()
+        group's first batch logs at the step it trains, and a dropped step is trained again by
+        the next batch, at its index and learning rate, and logged again in its row."""
+        for scheduler, saved in self._undo:  # the dropped step's schedule step taken back
+            scheduler.load_state_dict(saved)
+            lrs = scheduler.get_last_lr()
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+        self._undo = []
+        self.manager.start_quorum()  # after: a heal brings the peer's schedule
         self._quorum = True
         step = self.manager.current_step()
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
