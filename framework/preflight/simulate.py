@@ -148,10 +148,25 @@ def step(
         zero_gradients(task)
     grads = local_bytes(p.grad for p in task.parameters())
     stepping = host_counting()
-    peak, after = tracked(task, optimizer, counted(stepping, optimizer.step))
+    peak, after = tracked(task, optimizer, counted(stepping, optimizer_step(task, optimizer)))
     states = local_bytes(v for s in optimizer.state.values() for v in s.values())
     host = {**counter.counts(), **{f"optimizer_{k}": n for k, n in stepping.counts().items()}}
     return held, max(0, peak["total"] - after["total"]), grads, states, host
+
+
+def optimizer_step(task, optimizer):
+    """What runs once per optimizer step: the routers' balance (an all-reduce per MoE layer,
+    as the strategy's `before_optimizer_step`), then the optimizer's step."""
+    from framework.parallel.experts import balance, moe_layers
+
+    layers = moe_layers(task)
+
+    def run():
+        if layers:
+            balance(layers, None)
+        optimizer.step()
+
+    return run
 
 
 def counted(counter, run):

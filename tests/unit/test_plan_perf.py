@@ -314,7 +314,8 @@ def test_the_expert_layers_calls_are_counted_on_real_tensors():
     group). What the host term then sees is what a real step issues: per MoE layer 5 all-to-alls
     (tokens per expert, the rows and the rows back in forward; the rows' gradients both ways in
     backward), besides FSDP2's gathers and reduce-scatters (3 per unit, as under fsdp), and
-    operations on the experts' DTensor weights."""
+    operations on the experts' DTensor weights; once per optimizer step, each router's token
+    counts all-reduced (the strategy's balance before the step)."""
     from framework.preflight.check import check
 
     world = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.num_nodes=1"]
@@ -324,3 +325,4 @@ def test_the_expert_layers_calls_are_counted_on_real_tensors():
     assert rank.note.startswith("activations not simulated")  # memory: model states only
     assert host["collectives"] == 3 * host["fsdp_units"] + 5 * layers
     assert host["dtensor_ops"] > 0 and host["optimizer_dtensor_ops"] > 0
+    assert host["optimizer_collectives"] == layers
