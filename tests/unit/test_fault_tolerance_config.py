@@ -67,3 +67,16 @@ def test_fw_check_still_refuses_a_lighthouse_that_is_no_address(workdir, monkeyp
     err = capsys.readouterr().err
     assert code == 2, err
     assert "strategy.lighthouse=nohost: not an address of the form HOST:PORT" in err, err
+
+
+def test_fw_plan_counts_the_all_reduce_across_groups_of_several_processes():
+    from framework.plugins import capability, load_plugin, typed_config
+    from framework.world import World
+
+    ddp = load_plugin("strategy", "ddp", "strategy.kind")
+    traffic = capability(ddp, "data_traffic")
+    torchft = typed_config(ddp, {"kind": "ddp", "fault_tolerance": "torchft"})
+    plain = typed_config(ddp, {"kind": "ddp"})
+    assert traffic(plain, World(2, 2, 1, "cpu"), 10, 99) == 20
+    assert traffic(torchft, World(1, 1, 1, "cpu"), 10, 99) == 20  # across the groups only
+    assert traffic(torchft, World(2, 2, 1, "cpu"), 10, 99) == 40  # inside, then across

@@ -63,6 +63,13 @@ def check_services(cfg: Config, world: World) -> None:
         fault_tolerance.contact_lighthouse(cfg.lighthouse)
 
 
+def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
+    """An all-reduce of the gradients (ring volume); with torchft and a group of several
+    processes, a second one: each process's with its peers in the other groups."""
+    passes = 2 if cfg.fault_tolerance == "torchft" and world.world_size > 1 else 1
+    return passes * 2 * grads
+
+
 def checkpoint_format(cfg: Config, world: World) -> str:
     return "lightning"  # one file; loads under any process count
 
