@@ -9,7 +9,12 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   the longer of the two, on the CPU it adds. The FLOPs and bytes are counted, once per plan,
   on one whole replica's step on the per-rank batch with fake tensors, with the counter
   `callbacks.throughput` uses (`framework.perf.flop_counter`'s formulas); a rank computes 1/(tp
-  x pp) of it (tensor parallel splits every matmul, a pipeline the layers).
+  x pp) of the FLOPs (tensor parallel splits every matmul, a pipeline the layers) and of the
+  other bytes 1/pp when the layout says it has no sequence parallel (norms, residual adds,
+  embeddings and the loss then run whole on every tensor-parallel rank: counted on real
+  tensors, a tp=2 rank of the benchmarks' gpt touches 0.85 of a replica's bytes, gpt_tiny's
+  0.94), else 1/(tp x pp) as before (under sequence parallel gpt_tiny's rank counts 1.02, the
+  redistributions' copies included: not settled at scale).
 - communication: the bytes per collective the plan lists (traffic.traffic: the plugin's
   data-parallel bytes, 4bsh per layer for tensor parallel, 2bsh per stage boundary, the
   experts' all-to-all, context parallel's K/V), each over the link its group crosses
@@ -224,7 +229,10 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     dtype = matmul_dtype(layout["precision"])
     peak = device.peak(dtype)
     flops = work.flops / share
-    busy = flops / (peak * device.efficiency) + work.other_bytes / share / (
+    # without sequence parallel, norms, residual adds, embeddings and the loss run whole on
+    # every tensor-parallel rank (a layout that does not say keeps the old split)
+    spread = share if layout.get("sequence_parallel", True) else pp
+    busy = flops / (peak * device.efficiency) + work.other_bytes / spread / (
         device.hbm_gb_per_s * 1e9
     )
     launch = work.ops / pp * layout["microbatches"] * device.op_overhead_s  # per microbatch

@@ -326,3 +326,64 @@ def test_the_expert_layers_calls_are_counted_on_real_tensors():
     assert host["collectives"] == 3 * host["fsdp_units"] + 5 * layers
     assert host["dtensor_ops"] > 0 and host["optimizer_dtensor_ops"] > 0
     assert host["optimizer_collectives"] == layers
+
+
+def test_tensor_parallel_splits_the_other_bytes_only_under_sequence_parallel():
+    """FLOPs split over tp always; the bytes of operations without a FLOP formula (norms,
+    residual adds, embeddings, the loss) only under sequence parallel: without it they run
+    whole on every tensor-parallel rank. A layout that does not say keeps the old split."""
+    work = Work(flops=1e12, other_bytes=3e11, ops=0, tokens=16384, rows=2)
+    seconds = {}
+    for sp in (True, False, None):
+        facts = layout(tp=2, group_sizes={"tensor": 2})
+        if sp is not None:
+            facts["sequence_parallel"] = sp
+        seconds[sp] = predict(work, facts, CPU).compute_s
+    flops_s = work.flops / 2 / (CPU.peak("bf16") * CPU.efficiency)
+    bytes_s = work.other_bytes / (CPU.hbm_gb_per_s * 1e9)
+    assert seconds[False] == pytest.approx(flops_s + bytes_s)
+    assert seconds[True] == seconds[None] == pytest.approx(flops_s + bytes_s / 2)
+
+
+def test_a_tensor_parallel_rank_touches_most_of_a_replicas_other_bytes():
+    """What the split above rests on, counted on real tensors (fake process group): gpt_tiny's
+    tp=2 rank computes half the replica's FLOPs but touches well over half of its other bytes
+    (its local operations, seen below DTensor; collectives and the sharding propagation's
+    first-call trial runs left out)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    from framework.instantiate import build_task
+    from framework.nn.transforms import ModelTransforms
+    from framework.preflight import simulate as sim
+    from framework.preflight.check import composed, first_batch
+    from framework.preflight.counting import COLLECTIVES
+    from framework.preflight.fakes import fake_world
+    from framework.preflight.perf import counting_mode
+
+    class Local(type(counting_mode())):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor runs it: its local operations come here
+            leaves = tree_leaves((args, kwargs))
+            if func.namespace in COLLECTIVES or any(
+                torch.is_tensor(t) and t.device.type == "meta" for t in leaves
+            ):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    world = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.num_nodes=1"]
+    cfg, plan = composed([*TINY, "strategy=tensor", "strategy.tp=2", *world], None)
+    batch = first_batch(cfg, plan)
+    counted = {}
+    with fake_world(0, 2), sim._quiet_logging():
+        replica = sim.whole_step(build_task(cfg.task), batch, False)
+        built = (cfg.task, cfg.trainer, batch, 0, plan.strategy, plan.dims)
+        rank = sim.rank_step(*built, ModelTransforms("none", False), False, None)[2]
+        for name, run in {"replica": replica, "rank": rank}.items():
+            run()  # DTensor's sharding propagation tries each new shape once, whole
+            counted[name] = Local()
+            with counted[name]:
+                run()
+    assert counted["rank"].flops == pytest.approx(counted["replica"].flops / 2, rel=0.01)
+    assert counted["rank"].bytes > 0.75 * counted["replica"].bytes
