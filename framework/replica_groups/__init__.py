@@ -1,19 +1,25 @@
-"""`strategy=ddp strategy.fault_tolerance=torchft`: the settings and their checks (light: no torch).
+"""torchft replica groups (`strategy.fault_tolerance=torchft` under `strategy=ddp` and
+`strategy=fsdp`): the settings and their checks (light: no torch).
 
 Each `fw train` command is one replica group of `trainer.devices` processes on one machine,
 `strategy.replica_group` of `strategy.replica_groups`, with its own run directory (every group
 has the same number of processes); every group names the same torchft
-lighthouse (`strategy.lighthouse`), which forms a quorum of the live groups at each step. The
-Lightning strategy that does the work is framework/strategies/ddp/replica_groups.py.
+lighthouse (`strategy.lighthouse`), which forms a quorum of the live groups at each step. Inside
+a group the processes replicate the model (ddp) or shard it (fsdp); across the groups each
+process averages its gradients (or its gradient shards) with the process of the same rank in the
+others. The step, the quorum and the heal are framework/replica_groups/steps.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import socket
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from framework.config.fields import doc
+from framework.config.schema import CollectiveSettings
 from framework.errors import ConfigError
 from framework.world import World
 
@@ -23,6 +29,36 @@ START_LIGHTHOUSE = (
     "--bind [::]:29510` (installed with the torchft extra) and pass "
     "strategy.lighthouse=HOST:29510."
 )
+
+
+@dataclass
+class TorchftSettings(CollectiveSettings):
+    """The settings of a strategy whose `fw train` commands can be torchft replica groups."""
+
+    fault_tolerance: str = doc(
+        "none",
+        "torchft: replica groups (one fw train command each) that go on when one dies and heal "
+        "it from a live peer (docs/cluster.md).",
+        FAULT_TOLERANCE,
+    )
+    lighthouse: str = doc("", "torchft: the lighthouse's HOST:PORT (torchft_lighthouse).")
+    replica_group: int = doc(0, "torchft: this command's group, 0 .. replica_groups-1.", min=0)
+    replica_groups: int = doc(
+        1, "torchft: the number of groups; each reads its share of the global order.", min=1
+    )
+    min_replicas: int = doc(1, "torchft: the fewest live groups a step commits with.", min=1)
+    fault_timeout_s: int = doc(
+        60,
+        "torchft: seconds a step's all-reduce, commit vote or heal waits on other groups.",
+        min=1,
+    )
+
+
+def data_parallel(cfg: Any, world: World) -> tuple[int, int]:
+    """This process's (rank, size) among the readers of different data: the groups' processes
+    read in turn, group by group (group g's rank r is g*N + r of groups*N)."""
+    group = cfg.replica_group * world.world_size
+    return group + world.rank, cfg.replica_groups * world.world_size
 
 
 def lighthouse_url(address: str) -> str:
@@ -97,7 +133,7 @@ def lighthouse_host_port(address: str) -> tuple[str, int]:
 
 def contact_lighthouse(address: str) -> None:
     """A lighthouse answers at `address` (a TCP connection is accepted within 3 s): asked by
-    `fw train` before launch (framework/strategies/ddp/__init__.py, `check_services`)."""
+    `fw train` before launch (the strategies' `check_services`)."""
     host, port = lighthouse_host_port(address)
     try:
         socket.create_connection((host, port), timeout=3).close()

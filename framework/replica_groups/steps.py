@@ -1,7 +1,8 @@
-"""The Lightning strategy behind `strategy.fault_tolerance=torchft` (imports torchft: workers only).
+"""The torchft step of `strategy.fault_tolerance=torchft` (imports torchft: workers only), mixed in
+front of the Lightning strategy that syncs a group inside (framework/strategies/ddp/
+replica_groups.py: none or DDP; framework/strategies/parallel/ft.py: FSDP2).
 
-This process is one replica group, or one of its processes
-(framework/strategies/ddp/fault_tolerance.py). Each process has a torchft `Manager` (the
+This process is one replica group, or one of its processes (framework/replica_groups). Each process has a torchft `Manager` (the
 group's rank 0 serves the group's: its processes share the quorum), which owns the step, in
 the order torchft's own DDP and optimizer wrappers give it:
 
@@ -9,7 +10,8 @@ the order torchft's own DDP and optimizer wrappers give it:
   batch reaches the task (before any callback logs for it), and waited for: a group that joins
   behind the others is healed then (below), so that it trains, and logs, that batch at the
   step and with the weights and learning rate of the others;
-- after the backward (and DDP's average inside a group of several processes) the gradients,
+- after the backward (and DDP's average, or FSDP2's reduce-scatter, inside a group of several
+  processes) the gradients (under FSDP2: this process's shards of them),
   flattened into one buffer per dtype, are averaged over the groups of the quorum by the
   Manager's all-reduce, each process with the processes of the same rank in the other groups
   (on torchft's own process group, which it rebuilds whenever the quorum changes);
@@ -39,11 +41,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from framework.strategies.ddp.fault_tolerance import lighthouse_url
-from framework.strategy_base import Replicated
+from framework.replica_groups import lighthouse_url
 
 log = logging.getLogger("framework.torchft")
 
@@ -163,14 +163,16 @@ class ReplicaSteps:
     def _average_gradients(self) -> None:
         """The mean of the gradients over the quorum's groups, in one all-reduce per dtype. A
         parameter with no gradient counts as zeros (as DDP's), so every group sends the same
-        sizes."""
+        sizes. A sharded gradient (a DTensor) sends this process's shard: the process of the
+        same rank in every group holds the same one."""
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            grad = local(p.grad)
+            by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.manager.allreduce(flat).wait()  # an error is recorded: should_commit says no
@@ -225,18 +227,23 @@ class ReplicaSteps:
 
     # ---- healing: what a live group sends one that joins behind it
     def _state(self) -> dict[str, Any]:
+        """Sharded tensors as this process's shards: the peer of the same rank holds the same."""
         trainer = self.lightning_module.trainer
         return {
-            "model": self.lightning_module.state_dict(),
-            "optimizers": [o.state_dict() for o in self.optimizers],
+            "model": locals_of(self.lightning_module.state_dict()),
+            "optimizers": [locals_of(o.state_dict()) for o in self.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         }
 
     def _load_state(self, state: dict[str, Any]) -> None:
         trainer = self.lightning_module.trainer
-        self.lightning_module.load_state_dict(state["model"])
+        with torch.no_grad():  # into the tensors (or the shards) in place
+            own = self.lightning_module.state_dict()
+            for name, tensor in state["model"].items():
+                local(own[name]).copy_(tensor)
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
+            reshard_state(optimizer)
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         log.info(
@@ -254,11 +261,41 @@ class ReplicaSteps:
         super().teardown()
 
 
-class ReplicaGroup(ReplicaSteps, Replicated, SingleDeviceStrategy):
-    """A replica group of one process."""
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: its shard of a DTensor (the storage itself), else the
+    tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-class ReplicaGroupDDP(ReplicaSteps, Replicated, DDPStrategy):
-    """One process of a replica group of several: DDP averages the gradients over the group
-    (its own process group), then torchft over the groups, each process with its peers of
-    the same rank in the other groups."""
+def locals_of(state: Any) -> Any:
+    """`state` with every DTensor replaced by this process's shard (detached)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: local(v).detach() if isinstance(v, torch.Tensor) else v, state)
+
+
+def reshard_state(optimizer: Any) -> None:
+    """An optimizer state loaded from shards made DTensors again, each like its parameter
+    (a state tensor of the shard's shape; scalars such as Adam's step stay as they are)."""
+    from torch.distributed.tensor import DTensor
+
+    for param, state in optimizer.state.items():
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in state.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+                and value.dim() > 0
+                and value.shape == param._local_tensor.shape
+            ):
+                state[key] = DTensor.from_local(
+                    value,
+                    param.device_mesh,
+                    param.placements,
+                    shape=param.shape,
+                    stride=param.stride(),
+                    run_check=False,
+                )

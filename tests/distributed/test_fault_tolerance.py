@@ -223,10 +223,12 @@ def test_a_killed_replica_group_rejoins_from_a_live_peer(workdir, lighthouse):
 
 
 @pytest.mark.slow
-def test_groups_of_two_processes_train_as_one_ddp_job_of_four(workdir, one_process):
-    """2 groups x 2 processes (ddp inside each, torchft across) with batch 8 a process: the
-    mean of the groups' losses is the one-process run's with the global batch of 32 (which a
-    4-process ddp job reproduces: test_ddp.py), and the groups end with equal weights."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_groups_of_two_processes_train_as_one_ddp_job_of_four(strategy, workdir, one_process):
+    """2 groups x 2 processes (ddp or fsdp inside each, torchft across: under fsdp each process
+    averages its gradient shards with the same rank of the other group) with batch 8 a process:
+    the mean of the groups' losses is the one-process run's with the global batch of 32 (which
+    a 4-process ddp job reproduces: test_ddp.py), and the groups end with equal weights."""
     server, address = start_lighthouse(2)  # the first quorum waits for both groups
     args = [
         "task=digits",
@@ -236,7 +238,7 @@ def test_groups_of_two_processes_train_as_one_ddp_job_of_four(workdir, one_proce
         "trainer.log_every_n_steps=1",
         "logger=[csv]",
         "callbacks.checkpoint.every_n_steps=1000",  # the final one only
-        "strategy=ddp",
+        f"strategy={strategy}",
         "trainer.devices=2",
         "strategy.fault_tolerance=torchft",
         f"strategy.lighthouse={address}",
@@ -283,8 +285,11 @@ def report(out: Path, killed: float, restarted: float, released: float) -> None:
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    """The full weights of the run's newest checkpoint (any layout: ddp's file, fsdp's DCP)."""
+    from framework import portable
+
     (last,) = sorted((run / "checkpoints").glob("step*"))[-1:]
-    return torch.load(last / "state.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    return portable.read(last).model
 
 
 GOOD = [

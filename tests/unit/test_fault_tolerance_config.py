@@ -21,15 +21,37 @@ TORCHFT = [
 ]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
-def test_torchft_under_another_strategy_names_the_one_that_has_it(
-    strategy, workdir, monkeypatch, capsys
-):
-    args = ["task=digits", f"strategy={strategy}", "strategy.fault_tolerance=torchft", *QUIET]
+def test_torchft_under_another_strategy_names_those_that_have_it(workdir, monkeypatch, capsys):
+    args = ["task=digits", "strategy=zero2", "strategy.fault_tolerance=torchft", *QUIET]
     err = refused(args, workdir, monkeypatch, capsys)
     assert err.startswith(
-        f"error: strategy.fault_tolerance=torchft: no such key for strategy={strategy}; "
-        "only strategy=ddp has it. Valid choices: kind, backend,"
+        "error: strategy.fault_tolerance=torchft: no such key for strategy=zero2; "
+        "only strategy=ddp, expert, fsdp, fsdp_tp, pipeline, tensor have it. Valid choices: "
+        "kind, backend,"
+    ), err
+
+
+@pytest.mark.parametrize(
+    ("strategy", "degree"), [("tensor", "tp=2"), ("pipeline", "pp=2"), ("expert", "ep=2")]
+)
+def test_torchft_with_a_degree_besides_fsdp_is_refused(
+    strategy, degree, workdir, monkeypatch, capsys
+):
+    """torchft replica groups shard with fsdp only (HSDP): tp, pp, ep (and dp, cp) refused
+    before launch, whatever the lighthouse."""
+    args = [
+        "task=digits",
+        f"strategy={strategy}",
+        "trainer.devices=2",
+        "strategy.fault_tolerance=torchft",
+        "strategy.replica_groups=2",
+        f"strategy.lighthouse=127.0.0.1:{closed_port()}",
+        *QUIET,
+    ]
+    err = refused(args, workdir, monkeypatch, capsys)
+    assert err.startswith(
+        f"error: strategy.{degree}: strategy.fault_tolerance=torchft shards each replica "
+        "group with fsdp over its processes only"
     ), err
 
 

@@ -6,7 +6,8 @@ which runs the same numerics without the wrapper and collective overhead.
 With `fault_tolerance=torchft` each `fw train` command is one replica group (of
 `trainer.devices` processes, ddp inside); the groups average their gradients through torchft,
 go on when one dies and heal it from a live peer when it comes back
-(framework/strategies/ddp/fault_tolerance.py, replica_groups.py).
+(framework/replica_groups, shared with strategy=fsdp; the Lightning classes:
+framework/strategies/ddp/replica_groups.py).
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from framework import replica_groups as torchft_groups  # not .replica_groups, our module
 from framework.config.fields import doc
-from framework.config.schema import CollectiveSettings
-from framework.strategies.ddp import fault_tolerance
 from framework.world import World, collective_backend, local_device
 
 
 @dataclass
-class Config(CollectiveSettings):
+class Config(torchft_groups.TorchftSettings):
     """Distributed data parallel (torch DDP)."""
 
     kind: str = doc("ddp", "Strategy plugin.")
@@ -34,33 +34,16 @@ class Config(CollectiveSettings):
         True, "Gradients alias the all-reduce buckets (saves memory)."
     )
     bucket_cap_mb: int = doc(25, "Size of gradient buckets all-reduced together, in MiB.", min=1)
-    fault_tolerance: str = doc(
-        "none",
-        "torchft: replica groups (one fw train command each) that go on when one dies and heal "
-        "it from a live peer (docs/cluster.md).",
-        fault_tolerance.FAULT_TOLERANCE,
-    )
-    lighthouse: str = doc("", "torchft: the lighthouse's HOST:PORT (torchft_lighthouse).")
-    replica_group: int = doc(0, "torchft: this command's group, 0 .. replica_groups-1.", min=0)
-    replica_groups: int = doc(
-        1, "torchft: the number of groups; each reads its share of the global order.", min=1
-    )
-    min_replicas: int = doc(1, "torchft: the fewest live groups a step commits with.", min=1)
-    fault_timeout_s: int = doc(
-        60,
-        "torchft: seconds a step's all-reduce, commit vote or heal waits on other groups.",
-        min=1,
-    )
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:
     collective_backend(cfg.backend, world)
-    fault_tolerance.validate(cfg, world)
+    torchft_groups.validate(cfg, world)
 
 
 def check_services(cfg: Config, world: World) -> None:
     if cfg.fault_tolerance == "torchft":  # `fw train` only: check and plan do not need it up
-        fault_tolerance.contact_lighthouse(cfg.lighthouse)
+        torchft_groups.contact_lighthouse(cfg.lighthouse)
 
 
 def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
@@ -79,9 +62,8 @@ def check_move(cfg: Config, source: str) -> None:
 
 
 def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
-    if cfg.fault_tolerance == "torchft":  # the groups' processes read in turn, group by group
-        group = cfg.replica_group * world.world_size
-        return group + world.rank, cfg.replica_groups * world.world_size
+    if cfg.fault_tolerance == "torchft":
+        return torchft_groups.data_parallel(cfg, world)
     return world.rank, world.world_size
 
 

@@ -17,6 +17,10 @@ backwards), `1f1b` (one forward, one backward after a warm-up), `interleaved_1f1
 (`virtual_stages` stages per process), `zero_bubble` (interleaved, backward split into input- and
 weight-gradient parts) and `zbv` (zero bubble, two stages per process in a V). Checkpoints are DCP
 directories (`dcp`; `dcp_flat` under a pipeline: optimizer state keyed per parameter).
+
+With `fault_tolerance=torchft` (fsdp only) each `fw train` command is one replica group whose
+processes shard the model; the groups average their gradient shards through torchft
+(HSDP across groups that may fail: framework/replica_groups, framework/strategies/parallel/ft.py).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
+from framework import replica_groups
 from framework.config.fields import doc
-from framework.config.schema import CollectiveSettings
 from framework.errors import ConfigError
 from framework.parallel.dims import ParallelDims
 from framework.world import World, collective_backend
@@ -42,7 +46,7 @@ PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages", "split_points",
 
 
 @dataclass
-class Config(CollectiveSettings):
+class Config(replica_groups.TorchftSettings):
     """Degrees of pipeline (pp), data (dp), sharded data (fsdp) and tensor (tp) parallelism on
     one mesh, with the settings of each."""
 
@@ -143,6 +147,9 @@ def validate(cfg: Config, world: World, job: Any) -> None:
 
     dims = dims_of(cfg, world.world_size)
     collective_backend(cfg.backend, world)
+    replica_groups.validate(cfg, world)
+    if cfg.fault_tolerance == "torchft":  # before the layout's own (costlier) checks
+        torchft_layout(dims)
     if cfg.cpu_offload and not world.is_cuda:
         raise ConfigError(
             "strategy.cpu_offload",
@@ -160,6 +167,27 @@ def validate(cfg: Config, world: World, job: Any) -> None:
     checks.experts(cfg, dims, job)
     if dims.cp > 1:
         context_parallel(cfg, dims, job)
+
+
+def torchft_layout(dims: ParallelDims) -> None:
+    """torchft replica groups shard only over the group's processes (fsdp): a process's gradient
+    shards must be those of the same rank in every other group, and no other degree is built."""
+    for key in ("pp", "dp", "tp", "ep", "cp"):
+        degree = getattr(dims, key)
+        if degree != 1:
+            raise ConfigError(
+                f"strategy.{key}",
+                degree,
+                "strategy.fault_tolerance=torchft shards each replica group with fsdp over "
+                "its processes only",
+                ["1"],
+                hint="Use strategy=fsdp (or strategy=ddp) with strategy.fault_tolerance=torchft.",
+            )
+
+
+def check_services(cfg: Config, world: World) -> None:
+    if cfg.fault_tolerance == "torchft":  # `fw train` only: check and plan do not need it up
+        replica_groups.contact_lighthouse(cfg.lighthouse)
 
 
 def context_parallel(cfg: Config, dims: ParallelDims, job: Any) -> None:
@@ -217,6 +245,8 @@ def check_move(cfg: Config, source: str) -> None:
 
 
 def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
+    if cfg.fault_tolerance == "torchft":
+        return replica_groups.data_parallel(cfg, world)
     return dims_of(cfg, world.world_size).data_parallel(world.rank)
 
 
@@ -248,6 +278,10 @@ def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
 
 
 def build(cfg: Config, world: World, inputs):
+    if cfg.fault_tolerance == "torchft":
+        from framework.strategies.parallel.ft import ReplicaGroupFSDP
+
+        return ReplicaGroupFSDP(cfg, dims_of(cfg, world.world_size), world, inputs=inputs)
     from framework.strategies.parallel.strategy import ParallelStrategy
 
     return ParallelStrategy(cfg, dims_of(cfg, world.world_size), world, inputs=inputs)
