@@ -102,3 +102,11 @@ def test_fw_plan_counts_the_all_reduce_across_groups_of_several_processes():
     assert traffic(plain, World(2, 2, 1, "cpu"), 10, 99) == 20
     assert traffic(torchft, World(1, 1, 1, "cpu"), 10, 99) == 20  # across the groups only
     assert traffic(torchft, World(2, 2, 1, "cpu"), 10, 99) == 40  # inside, then across
+    fsdp = load_plugin("strategy", "parallel", "strategy.kind")
+    sharded = capability(fsdp, "data_traffic")
+    fsdp_torchft = typed_config(
+        fsdp, {"kind": "parallel", "fsdp": -1, "fault_tolerance": "torchft"}
+    )
+    fsdp_plain = typed_config(fsdp, {"kind": "parallel", "fsdp": -1})
+    assert sharded(fsdp_plain, World(2, 2, 1, "cpu"), 10, 99) == 60  # FSDP2's 3 x 2 shards
+    assert sharded(fsdp_torchft, World(2, 2, 1, "cpu"), 10, 99) == 80  # + its shard across

@@ -272,9 +272,12 @@ def saves_async(cfg: Config, world: World) -> bool:
 
 
 def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
-    """FSDP gathers the parameters again for backward: 3 x the shards times the data ranks."""
+    """FSDP gathers the parameters again for backward: 3 x the shards times the data ranks;
+    with torchft, an all-reduce of this process's gradient shards with its peers in the other
+    groups besides."""
     n = dims_of(cfg, world.world_size).shard_size
-    return 3 * grads * n if n > 1 else 0
+    across = 2 * grads if cfg.fault_tolerance == "torchft" else 0
+    return (3 * grads * n if n > 1 else 0) + across
 
 
 def build(cfg: Config, world: World, inputs):
