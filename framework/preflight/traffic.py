@@ -167,6 +167,7 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
     return {
         "tp": tp,
         "pp": pp,
+        "sequence_parallel": bool(getattr(report.strategy, "sequence_parallel", False)),
         "precision": str(cfg.trainer.precision),
         "data_ranks": data_ranks,
         "microbatches": micro,
