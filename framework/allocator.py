@@ -9,7 +9,10 @@ large size (benchmarks/overhead.py) fw and plain Lightning make the same 7 alloc
 or more a step (57 MiB), and take anywhere from 1,300 to 6,400 minor page faults a step, from
 run to run of the same command.
 
-`reuse` fixes both thresholds once, at the start of each training process: blocks up to
+`auto` (the default) is `reuse` when the job trains on the CPU, whose steps allocate their
+tensors there, and `system` on CUDA, where a step's tensors live on the device and a one-off host
+peak (a checkpoint staged in host memory) would otherwise stay resident. `reuse` fixes both
+thresholds once, at the start of each training process: blocks up to
 `MMAP_THRESHOLD` come from the heap, and the heap's top goes back to the kernel only past
 `TRIM_THRESHOLD`. Freed memory then stays mapped for the next step: no page faults a step, and
 a resident size that stays at its peak instead of falling between steps. `system` leaves glibc's
@@ -30,7 +33,7 @@ import sys
 
 log = logging.getLogger("framework.allocator")
 
-MODES = ("reuse", "system")
+MODES = ("auto", "reuse", "system")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 1 << 30  # a block of 1 GiB or more is mapped on its own, and unmapped when freed
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: the most it can keep free at the top
@@ -41,6 +44,13 @@ ENV_NAMES = (
     "MALLOC_TOP_PAD_",
     "MALLOC_MMAP_MAX_",
 )
+
+
+def mode_for(setting: str, on_cuda: bool) -> str:
+    """The mode `trainer.malloc` asks for on this job's device ("auto": reuse on the CPU)."""
+    if setting == "auto":
+        return "system" if on_cuda else "reuse"
+    return setting
 
 
 def configure(mode: str, environ: dict[str, str] | None = None) -> str:

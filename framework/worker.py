@@ -131,7 +131,7 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     # an elastic job that lost a node: the smaller world, with the global batch kept
     plan = fit_plan(job_plan.for_worker(job))
     cfg, world, data_parallel = plan.cfg, plan.world, plan.data_parallel
-    allocator.configure(cfg.trainer.malloc)  # before the model's and the steps' tensors
+    allocator.configure(allocator.mode_for(cfg.trainer.malloc, world.is_cuda))  # first
     ctx = make_context(plan, run_dir, resume_from)
     # Read at import time by Lightning; a forked worker inherited the launcher's value (0).
     from lightning_utilities.core.rank_zero import rank_zero_only

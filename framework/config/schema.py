@@ -141,11 +141,12 @@ class TrainerConfig:
     )
     compile: bool = doc(False, "torch.compile every block of the model (not the task module).")
     malloc: str = doc(
-        "reuse",
+        "auto",
         "glibc malloc in each training process: reuse (large freed CPU blocks stay mapped for "
-        "the next step: no page faults a step, resident memory stays at its peak) or system "
-        "(glibc's adaptive thresholds). MALLOC_* variables, when set, win (framework/allocator.py).",
-        ("reuse", "system"),
+        "the next step: no page faults a step, resident memory stays at its peak), system "
+        "(glibc's adaptive thresholds) or auto (reuse on the CPU, system on CUDA). MALLOC_* "
+        "variables, when set, win (framework/allocator.py).",
+        ("auto", "reuse", "system"),
     )
     peak_tflops: float | None = doc(
         None,

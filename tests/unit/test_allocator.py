@@ -113,7 +113,7 @@ def test_a_bad_value_is_refused_before_anything_starts(tmp_path, monkeypatch, ca
     code = main(["train", "task=digits", "trainer.malloc=keep", "run.dir=run"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "Traceback" not in err, err
-    assert "trainer.malloc=keep: not a valid choice. Valid choices: reuse, system." in err
+    assert "trainer.malloc=keep: not a valid choice. Valid choices: auto, reuse, system." in err
     assert list(tmp_path.iterdir()) == [], "nothing written"
 
 
@@ -125,3 +125,12 @@ def test_a_training_process_applies_its_setting_before_training(tmp_path, monkey
     short += ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
     assert main(["train", "task=digits", *short, "run.dir=run"]) == 0
     assert asked == ["system"]
+
+
+def test_auto_reuses_on_the_cpu_and_leaves_glibc_alone_on_cuda():
+    """A CUDA job's steps allocate on the device: keeping a one-off host peak resident (a
+    checkpoint staged in host memory) would buy nothing there."""
+    assert allocator.mode_for("auto", on_cuda=False) == "reuse"
+    assert allocator.mode_for("auto", on_cuda=True) == "system"
+    assert allocator.mode_for("reuse", on_cuda=True) == "reuse"
+    assert allocator.mode_for("system", on_cuda=False) == "system"
