@@ -2,9 +2,9 @@
 front of the Lightning strategy that syncs a group inside (framework/strategies/ddp/
 replica_groups.py: none or DDP; framework/strategies/parallel/ft.py: FSDP2).
 
-This process is one replica group, or one of its processes (framework/replica_groups). Each process has a torchft `Manager` (the
-group's rank 0 serves the group's: its processes share the quorum), which owns the step, in
-the order torchft's own DDP and optimizer wrappers give it:
+This process is one replica group, or one of its processes (framework/replica_groups). Each
+process has a torchft `Manager` (the group's rank 0 serves the group's: its processes share the
+quorum), which owns the step, in the order torchft's own DDP and optimizer wrappers give it:
 
 - a quorum of the live groups is asked of the lighthouse before each optimizer step's first
   batch reaches the task (before any callback logs for it), and waited for: a group that joins
@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from framework.replica_groups import lighthouse_url
 
@@ -264,23 +266,17 @@ class ReplicaSteps:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's part of a tensor: its shard of a DTensor (the storage itself), else the
     tensor."""
-    from torch.distributed.tensor import DTensor
-
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def locals_of(state: Any) -> Any:
     """`state` with every DTensor replaced by this process's shard (detached)."""
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda v: local(v).detach() if isinstance(v, torch.Tensor) else v, state)
 
 
 def reshard_state(optimizer: Any) -> None:
     """An optimizer state loaded from shards made DTensors again, each like its parameter
     (a state tensor of the shard's shape; scalars such as Adam's step stay as they are)."""
-    from torch.distributed.tensor import DTensor
-
     for param, state in optimizer.state.items():
         if not isinstance(param, DTensor):
             continue

@@ -9,6 +9,7 @@ framework/replica_groups/steps.py, as under strategy=ddp.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from framework.replica_groups.steps import ReplicaSteps
@@ -19,26 +20,20 @@ class ReplicaGroupFSDP(ReplicaSteps, ParallelStrategy):
     """One process of a replica group that shards the model over its processes (FSDP2)."""
 
     def __init__(self, cfg: Any, dims: Any, world: Any, inputs: Any) -> None:
-        super().__init__(cfg, cfg, dims, world, inputs=inputs)
+        super().__init__(cfg, cfg, dims, world, inputs=inputs)  # ReplicaSteps's, then ours
         self._group_data = (world.rank, world.world_size)  # the mesh's data coordinates
 
     def setup_environment(self) -> None:
         # the mesh is the group's; the data rank is the group's share of all groups' processes
         # (framework.replica_groups.data_parallel), which the mesh's check would refuse
         across = self.inputs.data_parallel
-        self.inputs = _with_data_parallel(self.inputs, self._group_data)
+        self.inputs = replace(self.inputs, data_parallel=self._group_data)
         try:
             super().setup_environment()
         finally:
-            self.inputs = _with_data_parallel(self.inputs, across)
+            self.inputs = replace(self.inputs, data_parallel=across)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         rank, size = self.inputs.data_parallel
         return {"num_replicas": size, "rank": rank}
-
-
-def _with_data_parallel(inputs: Any, data_parallel: tuple[int, int]) -> Any:
-    from dataclasses import replace
-
-    return replace(inputs, data_parallel=data_parallel)
