@@ -187,7 +187,7 @@ def measure(out: str) -> None:
         host = {k: max(g["host"][k] for g in gathered) for k in gathered[0]["host"]}
         largest = max(times)
         bus = 2 * (n - 1) / n * largest / times[largest] / 1e9
-        link = Link("gloo over loopback", bus, latency)
+        link = Link("gloo over loopback", bus, host["collective"])  # the slowest rank's
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         device = Device(
             name=f"this machine ({n} processes, {torch.get_num_threads()} threads each)",

@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "base",
         (
+            "framework.allocator",
             "framework.checkpointing",
             "framework.config.fields",
             "framework.errors",
@@ -59,7 +60,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "plugins",
-        ("framework.callbacks", "framework.debug", "framework.loggers", "framework.strategies"),
+        (
+            "framework.callbacks",
+            "framework.debug",
+            "framework.loggers",
+            "framework.replica_groups",
+            "framework.strategies",
+        ),
     ),
     ("worker", ("framework.worker",)),
     ("launchers", ("framework.external", "framework.launchers")),
