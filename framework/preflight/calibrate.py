@@ -6,17 +6,19 @@ torchrun), on the backend `fw train` would use here (gloo on the CPU), each with
 worker of an N-process job gets (framework/worker.py: the cores shared out). Measured at the same
 time in every process, as the job's ranks compete for the cores: matmul FLOP/s by dtype, the
 memory bandwidth of a large copy, the host cost of one small operation; then the all-reduce time
-by message size, from which the latency (the smallest message) and the bus bandwidth (the
+by message size, from which the latency (the small messages) and the bus bandwidth (the
 largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; then the host's
 cost of an operation on DTensors and of one FSDP2 unit's hooks per step, from a small model's
-step run plain, tensor parallel and under FSDP2 (`host_costs`). The figures are
-the machine's reachable rates, so the efficiency is 1. Communication and compute share the CPU's
+step run plain, tensor parallel and under FSDP2 (`host_costs`). Each figure is the median of
+its repeats (`typical_time`), as a measured step is the median of its windows. The figures are
+the rates a step meets on this machine, so the efficiency is 1. Communication and compute share the CPU's
 cores, so no traffic is taken to hide behind compute (overlap 0).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -56,14 +58,22 @@ def calibrate_command(args: list[str]) -> int:
     return 0
 
 
-def best_time(run, repeats: int = 5) -> float:
+def times_of(run, repeats: int = 5) -> list[float]:
     run()  # warm-up
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         run()
         times.append(time.perf_counter() - started)
-    return min(times)
+    return times
+
+
+def typical_time(run, repeats: int = 5) -> float:
+    """The median time of `run` after a warm-up. A measured step is the median of its windows
+    (framework/preflight/measure.py), so its parts are priced at their median too, not at the
+    fastest of the repeats: between processes sharing cores a collective waits for its peer
+    to be scheduled, and the luckiest repeat hides that (both are kept for the all-reduce)."""
+    return statistics.median(times_of(run, repeats))
 
 
 def compute_rates(torch) -> dict:
@@ -71,13 +81,13 @@ def compute_rates(torch) -> dict:
     for name, dtype in DTYPES.items():
         a = torch.randn(MATMUL, MATMUL, dtype=getattr(torch, dtype))
         b = torch.randn(MATMUL, MATMUL, dtype=getattr(torch, dtype))
-        seconds = best_time(lambda a=a, b=b: [a @ b for _ in range(4)]) / 4
+        seconds = typical_time(lambda a=a, b=b: [a @ b for _ in range(4)]) / 4
         rates[name] = 2 * MATMUL**3 / seconds / 1e12
     big = torch.ones(2**24)  # 64 MiB: past the caches
     copy = torch.empty_like(big)
-    seconds = best_time(lambda: copy.copy_(big))
+    seconds = typical_time(lambda: copy.copy_(big))
     small = torch.ones(8)
-    ops = best_time(lambda: [small.add(1) for _ in range(1000)]) / 1000
+    ops = typical_time(lambda: [small.add(1) for _ in range(1000)]) / 1000
     return {"tflops": rates, "copy_gb_per_s": 2 * big.numel() * 4 / seconds / 1e9, "op_s": ops}
 
 
@@ -138,7 +148,7 @@ def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
         counter = host_counting()
         with counter:
             run()
-        found[name] = (best_time(lambda run=run: [run() for _ in range(10)]) / 10, counter)
+        found[name] = (typical_time(lambda run=run: [run() for _ in range(10)]) / 10, counter)
     plain_s = found["plain"][0]
     seconds, counts = found["tensor"]
     extra = seconds - plain_s - counts.collectives * latency_s
@@ -149,8 +159,9 @@ def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
     return {"dtensor_op": dtensor_op, "collective": latency_s, "fsdp_unit": unit}
 
 
-def allreduce_times(torch, dist) -> dict[int, float]:
-    found = {}
+def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
+    """The median and the fastest time of one all-reduce, by message bytes."""
+    typical, fastest = {}, {}
     for size in SIZES:
         x = torch.ones(size // 4)
 
@@ -159,8 +170,9 @@ def allreduce_times(torch, dist) -> dict[int, float]:
                 dist.all_reduce(x)
 
         dist.barrier()
-        found[size] = best_time(run) / 4
-    return found
+        times = times_of(run)
+        typical[size], fastest[size] = statistics.median(times) / 4, min(times) / 4
+    return typical, fastest
 
 
 def measure(out: str) -> None:
@@ -175,8 +187,9 @@ def measure(out: str) -> None:
     dist.init_process_group("gloo")
     dist.barrier()
     local = compute_rates(torch)
-    times = allreduce_times(torch, dist)
-    latency = min(t for size, t in times.items() if size <= 2**14)  # a few KiB: latency only
+    times, fastest = allreduce_times(torch, dist)
+    # a few KiB: latency only (the median of those sizes, each a median)
+    latency = statistics.median(t for size, t in times.items() if size <= 2**14)
     local["host"] = host_costs(torch, n, latency)
     gathered = [None] * n
     dist.all_gather_object(gathered, local)
@@ -207,6 +220,7 @@ def measure(out: str) -> None:
                 "threads": torch.get_num_threads(),
                 "matmul_size": MATMUL,
                 "allreduce_s_by_bytes": {str(k): v for k, v in times.items()},
+                "allreduce_fastest_s_by_bytes": {str(k): v for k, v in fastest.items()},
                 "per_process": gathered,
                 "load_average": os.getloadavg()[0],
             },
