@@ -1,8 +1,10 @@
 """transformers causal LMs held by a plain LightningModule (no loss, no pipeline code of its own)
 under strategies test_hf.py does not cover: pipeline stages cut from the model's pp_plan (1f1b,
-interleaved, pp x fsdp, pp x tp) with the framework's causal-LM loss, Qwen2 under tensor, Llama
-under zero3 and ddp; each equals one process within 1e-5 for 10 steps. A cut into more stages
-than the model has layers is refused before launch, naming its decoder-layer count."""
+interleaved, pp x fsdp, pp x tp) with the framework's causal-LM loss, Qwen2 under tensor and an
+interleaved schedule balanced by time, Llama under zero3; each equals one process within 1e-5
+for 10 steps (a layout is proven once, for one family: a plain task under ddp is
+test_plain_lightning.py's). A cut into more stages than the model has layers is refused before
+launch, naming its decoder-layer count."""
 
 from __future__ import annotations
 
@@ -51,7 +53,6 @@ def one_process(tmp_path_factory):
     ("family", "args"),
     [
         ("llama", [*PIPELINE, "strategy.schedule=1f1b", B8]),
-        ("qwen2", [*PIPELINE, "strategy.schedule=1f1b", B8]),
         ("llama", [*INTERLEAVED, B8]),
         ("qwen2", [*INTERLEAVED, "strategy.balance=time", B8]),
         (
@@ -64,18 +65,15 @@ def one_process(tmp_path_factory):
             [*PIPELINE, "strategy.pp=2", "strategy.tp=2", "trainer.devices=4", *SHARDS, B8],
         ),
         ("llama", ["strategy=zero3", B4]),
-        ("llama", ["strategy=ddp", B4]),
     ],
     ids=[
         "llama-pp2-1f1b",
-        "qwen2-pp2-1f1b",
         "llama-pp2-interleaved",
         "qwen2-pp2-interleaved-time",
         "llama-pp2xfsdp2",
         "qwen2-tp2",
         "llama-pp2xtp2",
         "llama-zero3",
-        "llama-ddp",
     ],
 )
 def test_plain_task_reproduces_one_process(family, args, one_process, tmp_path):

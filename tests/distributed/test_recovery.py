@@ -171,25 +171,24 @@ def test_a_slow_rank_is_named_as_the_straggler(workdir):
     assert min(float(r["perf/straggler_ratio"]) for r in rows) > 1.2
 
 
-def test_kill_campaign_smoke_five_trials_resume_exactly():
-    """benchmarks.kill_campaign, 5 trials under ddp: a kill mid-save, a kill during the restart,
-    a kill of the whole job, a NaN loss under the loss guard (seed 6: a rollback at step 20) and
-    the loss of a node (seed 7: two `fw` processes standing for two nodes, the second one's
-    process group killed; the first goes on alone under launcher.min_nodes=1); each run resumes
-    from its newest checkpoint and ends with the uninterrupted run's losses (bitwise; the node
-    trial within 1e-5, the summation order differs) and no corrupt checkpoint (the full campaign:
-    docs/benchmarks.md)."""
+def test_kill_campaign_smoke_four_trials_resume_exactly():
+    """benchmarks.kill_campaign, 4 trials under ddp: a kill mid-save, a kill during the restart,
+    a kill of the whole job and a NaN loss under the loss guard (seed 6: a rollback at step 20);
+    each run resumes from its newest checkpoint and ends with the uninterrupted run's losses
+    (bitwise) and no corrupt checkpoint (the full campaign: docs/benchmarks.md). The campaign's
+    node trial (two `fw` processes standing for two nodes) is left out here: the loss of a node
+    is test_elastic.py's, under fsdp, zero2 and SLURM."""
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "benchmarks.kill_campaign",
             "--trials",
-            "5",
+            "4",
             "--strategies",
             "ddp",
             "--modes",
-            "mid-save,restart,job,nan,node",
+            "mid-save,restart,job,nan",
             "--no-save",
             # seeds 3-5: the restart and job trials kill at steps 9 and 10, after a checkpoint
             # (seed 0's job trial killed at step 3, where a fresh start is the right outcome)
@@ -204,8 +203,8 @@ def test_kill_campaign_smoke_five_trials_resume_exactly():
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = done.stdout
-    assert "5 trials, 0 failed" in table, table
-    for mode in ("mid-save", "restart", "job", "nan", "node"):
+    assert "4 trials, 0 failed" in table, table
+    for mode in ("mid-save", "restart", "job", "nan"):
         line = next(
             row for row in table.splitlines() if row.startswith("ddp") and f" {mode} " in row
         )

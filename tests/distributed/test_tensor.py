@@ -35,10 +35,11 @@ def single(one_process):
     return one_process
 
 
-def assert_same(run, want) -> None:
+def assert_same(run, want, steps: int = 20) -> None:
+    """The run's losses are the reference's first `steps` within 1e-5."""
     got = losses(run)
-    assert sorted(got) == sorted(want) and len(got) == 20
-    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+    assert sorted(got) == sorted(want)[:steps] and len(got) == steps
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in got), (got, want)
 
 
 # CommCounter writes a run's collectives of step 2 next to it (comm.json): the tests of the
@@ -48,8 +49,9 @@ def assert_same(run, want) -> None:
 COUNTER = ["+callbacks.comm._target_=framework.debug.CommCounter", "+callbacks.comm.out=OUT"]
 LAYOUTS = {
     "tp2": (["strategy=tensor", "trainer.devices=2", "task.data.batch_size=8", *COUNTER], "gpt8"),
-    # plain fsdp2xtp2 and dp2xtp2: covered by their -sp and -ac variants below; fsdp2xtp2 with
-    # full checkpointing: test_activation_checkpointing_and_compile_keep_the_losses
+    # plain dp2xtp2: covered by its -sp-selective-ac variant below; fsdp2xtp2 (with sequence
+    # parallel and full checkpointing, 4 processes against one):
+    # test_activation_checkpointing_and_compile_keep_the_losses
     "tp2-sp-selective-ac": (
         [
             "strategy=tensor",
@@ -59,10 +61,6 @@ LAYOUTS = {
             *COUNTER,
         ],
         "gpt8",
-    ),
-    "fsdp2xtp2-sp": (
-        ["strategy=fsdp_tp", "strategy.sequence_parallel=true", "trainer.devices=4"],
-        "gpt16",
     ),
     "tp2-gathered-logits-full-ac": (
         [
@@ -191,17 +189,20 @@ def test_activation_checkpointing_and_compile_keep_the_losses(args, single, work
         "+callbacks.probe._target_=tests.tasks.TransformProbe",
         f"+callbacks.probe.out={workdir}",
     ]
+    # 10 steps: a transform that changed the numerics shows from the first; zero3's step with
+    # recomputation is the slowest of the suite's layouts on the CPU
     train(
         *args,
         per_rank,
         *devices,
         *GPT,
+        "trainer.max_steps=10",
         "callbacks=none",
         *probe,
         "run.dir=run",
         cwd=workdir,
     )
-    assert_same(workdir / "run", single["gpt8"])
+    assert_same(workdir / "run", single["gpt8"], steps=10)
     # proof the transforms were applied, not only harmless
     for rank in (0, 1):
         seen = json.loads((workdir / f"probe-rank{rank}.json").read_text())
