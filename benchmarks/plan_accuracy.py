@@ -9,7 +9,8 @@ prediction must order them the same way (time per token, the order `fw plan` sor
 layouts' steps take different numbers of tokens). Every such pair is printed and recorded.
 
 Run: python -m benchmarks.plan_accuracy (2 processes, eight layouts, about 6 minutes on two quiet
-cores); --rounds R calibrates and measures R times and keeps each layout's median ratio; --gpus 4 for ddp, fsdp, fsdp_tp (tp=2) and a pipeline (pp=2 x fsdp=2) at 4 processes
+cores); --rounds R calibrates and measures R times and keeps each layout's median ratio;
+--gpus 4 for ddp, fsdp, fsdp_tp (tp=2) and a pipeline (pp=2 x fsdp=2) at 4 processes
 (results/plan_accuracy_4.json); --layouts a,b for some of them.
 """
 

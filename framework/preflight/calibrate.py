@@ -11,8 +11,8 @@ largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; 
 cost of an operation on DTensors and of one FSDP2 unit's hooks per step, from a small model's
 step run plain, tensor parallel and under FSDP2 (`host_costs`). Each figure is the median of
 its repeats (`typical_time`), as a measured step is the median of its windows. The figures are
-the rates a step meets on this machine, so the efficiency is 1. Communication and compute share the CPU's
-cores, so no traffic is taken to hide behind compute (overlap 0).
+the rates a step meets on this machine, so the efficiency is 1. Communication and compute share
+the CPU's cores, so no traffic is taken to hide behind compute (overlap 0).
 """
 
 from __future__ import annotations
