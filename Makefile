@@ -65,7 +65,7 @@ bench: install
 	$(BIN)/python -m benchmarks.data
 	$(BIN)/python -m benchmarks.async
 	$(BIN)/python -m benchmarks.plan_vs_published
-	$(BIN)/python -m benchmarks.plan_accuracy
+	$(BIN)/python -m benchmarks.plan_accuracy --rounds 3
 	$(BIN)/python -m benchmarks.context
 	$(BIN)/python -m benchmarks.plot
 
