@@ -117,13 +117,17 @@ def probe_step(torch, model):
 
 def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
     """The host's cost per call of what a layout adds (framework/preflight/perf.py's host
-    term), from the step of a small model measured three ways over the N processes' mesh and
-    counted with the counter `fw plan` counts with: plain; tensor parallel (column- then
-    row-wise linears): (its time - the plain one's - its collectives at the latency) per
-    operation on DTensors; FSDP2 (each linear a unit, and the root): (its time - the plain
-    one's - its DTensor operations at that cost - its collectives at the latency) per unit,
-    the unit's hooks and copies in and out. A collective the communication term does not list
-    costs the latency."""
+    term), from the step of a small model measured three ways and counted with the counter `fw
+    plan` counts with: plain; tensor parallel (column- then row-wise linears): (its time - the
+    plain one's) per operation on DTensors; FSDP2 (each linear a unit, and the root): (its time
+    - the plain one's - its DTensor operations at that cost) per unit, the unit's hooks and
+    copies in and out. The parallel probes run on a mesh of one process each (every process at
+    once, as they share the cores in a job), so what is measured is the host's work alone: over
+    the N processes' mesh their collectives would be priced at the latency, whose median
+    between processes sharing cores (about 2 ms here) outweighs the host's work they wait
+    beside and left FSDP2's unit a negative remainder. Collectives a probe still issues are
+    taken off at the latency. A collective the communication term does not list costs the
+    latency."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -134,7 +138,8 @@ def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
 
     from framework.preflight.counting import fsdp_units, host_counting
 
-    mesh = init_device_mesh("cpu", (n,))
+    # every process's own one-process mesh (the second dimension), made by all of them together
+    mesh = init_device_mesh("cpu", (n, 1), mesh_dim_names=("job", "alone"))["alone"]
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(),
             "5": RowwiseParallel()}  # fmt: skip
     tensor = parallelize_module(probe_model(torch), mesh, plan)

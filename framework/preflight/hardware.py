@@ -23,11 +23,11 @@ NCCL within a node, more across; `fw calibrate` measures them for a real backend
 perf.py's host term): `dtensor_op`, one operation dispatched on DTensors beyond the plain
 operation's launch; `collective`, the fixed cost of one collective the communication term does
 not list; `fsdp_unit`, one FSDP2 unit's hooks and copies in one step. For GPUs these are
-assumptions, not datasheet figures: `fw calibrate` measures about 0.07 ms for a bare DTensor
-operation and 0.26 ms for one in a tensor-parallel step (hooks, autograd) on this project's
-shared 2-core CPU machines; a server core with a free host runs Python several times faster, so
-20 us; an NCCL call's launch is a few microseconds; an FSDP2 unit's four hooks and its copy-in
-and copy-out launches, 100 us. On a GPU they count only where the host's work outlasts the
+assumptions, not datasheet figures: `fw calibrate` measures about 0.05 ms for an operation in a
+tensor-parallel step (hooks, autograd) and 0.45 ms for an FSDP2 unit on this project's 2-core CPU
+machines; a server core with a free host runs Python several times faster, so 20 us; an NCCL
+call's launch is a few microseconds; an FSDP2 unit's four hooks and its copy-in and copy-out
+launches, 100 us. On a GPU they count only where the host's work outlasts the
 kernels' (small models, many small ops). benchmarks/plan_vs_published.py writes its layouts by
 hand, without host counts: its rows do not change.
 
