@@ -104,6 +104,16 @@ def combined(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     return rows
 
 
+def summary(calibration: dict) -> dict:
+    """A round's calibration in the figures its predictions move with."""
+    return {
+        "fp32_tflops": calibration["tflops"]["fp32"],
+        "copy_gb_per_s": calibration["hbm_gb_per_s"],
+        "latency_s": calibration["intra"]["latency_s"],
+        "host": calibration.get("host", {}),
+    }
+
+
 def rank_order(rows: dict[str, dict], apart: float = APART) -> dict:
     """Each pair of layouts whose measured seconds per token differ by more than `apart`,
     with whether the prediction orders it the same way."""
@@ -193,11 +203,16 @@ def main() -> None:
     rows = combined(rounds)
     order = rank_order(rows)
     report(rows, order)
-    costs = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in calibration.get("host", {}).items())
-    print(f"host costs per call (fw calibrate): {costs or 'none'}")
+    summaries = [summary(c) for c in calibrations]
+    for i, c in enumerate(summaries, 1):
+        costs = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c["host"].items())
+        print(
+            f"round {i} calibration: fp32 {c['fp32_tflops'] * 1e3:.1f} GFLOP/s, copy "
+            f"{c['copy_gb_per_s']:.1f} GB/s, latency {c['latency_s'] * 1e3:.2f} ms; host {costs}"
+        )
     name = "plan_accuracy" if args.gpus == 2 else f"plan_accuracy_{args.gpus}"
     results = {"gpus": args.gpus, "bound": BOUND, "layouts": rows, "rank_order": order}
-    extra = {"rounds": len(rounds), "calibrations_host": [c.get("host") for c in calibrations]}
+    extra = {"rounds": len(rounds), "calibrations": summaries}
     save_results(name, {**results, **extra, "calibration": calibration}, load)
 
 

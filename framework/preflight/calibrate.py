@@ -10,9 +10,10 @@ by message size, from which the latency (the small messages) and the bus bandwid
 largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; then the host's
 cost of an operation on DTensors and of one FSDP2 unit's hooks per step, from a small model's
 step run plain, tensor parallel and under FSDP2 (`host_costs`). Each figure is the median of
-its repeats (`typical_time`), as a measured step is the median of its windows. The figures are
-the rates a step meets on this machine, so the efficiency is 1. Communication and compute share
-the CPU's cores, so no traffic is taken to hide behind compute (overlap 0).
+its repeats (`typical_time`; the rates over windows of about 0.1 s, `time_per_call`), as a
+measured step is the median of its windows. The figures are the rates a step meets on this
+machine, so the efficiency is 1. Communication and compute share the CPU's cores, so no traffic
+is taken to hide behind compute (overlap 0).
 """
 
 from __future__ import annotations
@@ -76,18 +77,34 @@ def typical_time(run, repeats: int = 5) -> float:
     return statistics.median(times_of(run, repeats))
 
 
-def compute_rates(torch) -> dict:
+def time_per_call(call, window_s: float = 0.1, repeats: int = 7) -> float:
+    """Seconds per `call`, the median of `repeats` windows of about `window_s` each (as many
+    calls as fill one, from a timed first call). A window of a few milliseconds moved a
+    matmul's rate by up to 1.4x between two calibrations minutes apart; a tenth of a second
+    holds it to a few percent on this project's 2-core machines."""
+    started = time.perf_counter()
+    call()
+    calls = max(1, round(window_s / max(time.perf_counter() - started, 1e-9)))
+    return typical_time(lambda: [call() for _ in range(calls)], repeats) / calls
+
+
+def compute_rates(torch, together) -> dict:
+    """Matmul TFLOP/s by dtype, a large copy's GB/s and a small operation's seconds, each
+    started in every process at once (`together`: a barrier), as a job's ranks compete."""
     rates = {}
     for name, dtype in DTYPES.items():
         a = torch.randn(MATMUL, MATMUL, dtype=getattr(torch, dtype))
         b = torch.randn(MATMUL, MATMUL, dtype=getattr(torch, dtype))
-        seconds = typical_time(lambda a=a, b=b: [a @ b for _ in range(4)]) / 4
+        together()
+        seconds = time_per_call(lambda a=a, b=b: a @ b)
         rates[name] = 2 * MATMUL**3 / seconds / 1e12
     big = torch.ones(2**24)  # 64 MiB: past the caches
     copy = torch.empty_like(big)
-    seconds = typical_time(lambda: copy.copy_(big))
+    together()
+    seconds = time_per_call(lambda: copy.copy_(big))
     small = torch.ones(8)
-    ops = typical_time(lambda: [small.add(1) for _ in range(1000)]) / 1000
+    together()
+    ops = time_per_call(lambda: small.add(1))
     return {"tflops": rates, "copy_gb_per_s": 2 * big.numel() * 4 / seconds / 1e9, "op_s": ops}
 
 
@@ -175,7 +192,7 @@ def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
                 dist.all_reduce(x)
 
         dist.barrier()
-        times = times_of(run)
+        times = times_of(run, repeats=9)
         typical[size], fastest[size] = statistics.median(times) / 4, min(times) / 4
     return typical, fastest
 
@@ -191,7 +208,7 @@ def measure(out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))  # as framework/worker.py
     dist.init_process_group("gloo")
     dist.barrier()
-    local = compute_rates(torch)
+    local = compute_rates(torch, dist.barrier)
     times, fastest = allreduce_times(torch, dist)
     # a few KiB: latency only (the median of those sizes, each a median)
     latency = statistics.median(t for size, t in times.items() if size <= 2**14)
