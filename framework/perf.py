@@ -124,6 +124,36 @@ def count_cpu_attention() -> None:
         return pair(query, key, value) * 5 // 2  # five matmuls of the size of one
 
 
+def count_grouped_mm() -> None:
+    """Teach torch's FlopCounterMode the grouped GEMM that runs the experts of a
+    mixture-of-experts layer (framework/nn/moe.py), which it does not count: 2 FLOPs per
+    multiply-add over every group. Its four forms (torch's `_grouped_mm`): a [M, K] x b [G, K,
+    N], rows split by `offs` (the experts' forward, the input's gradient); a [G, M, K] x b [K,
+    N], columns split; a [M, K] x b [K, N], the contraction split (the weights' gradient, [G,
+    M, N] out); a [G, M, K] x b [G, K, N], batched. The backward is made of these, so it is
+    counted through them."""
+    import torch
+    from torch.utils import flop_counter
+
+    op = torch.ops.aten._grouped_mm
+    if op in flop_counter.flop_registry:
+        return
+
+    @flop_counter.register_flop_formula(op)
+    def _grouped(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        if len(a_shape) == 3 and len(b_shape) == 3:
+            groups, m, k = a_shape
+            return 2 * groups * m * k * b_shape[2]
+        m, k = a_shape[-2:]
+        return 2 * m * k * b_shape[-1]
+
+
+def register_flop_formulas() -> None:
+    """The kernels torch's FlopCounterMode does not count that this project runs."""
+    count_cpu_attention()
+    count_grouped_mm()
+
+
 def flop_counter():
     """A dispatch mode counting the FLOPs this process computes, with the formulas of torch's
     FlopCounterMode (its registry) but without its module tracking, whose backward hooks break
@@ -134,7 +164,7 @@ def flop_counter():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
 
-    count_cpu_attention()
+    register_flop_formulas()
 
     def split_over(args) -> int:
         tensors = [a for a in args if isinstance(a, DTensor)]

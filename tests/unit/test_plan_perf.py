@@ -48,6 +48,28 @@ def test_flops_per_step_equal_the_throughput_callbacks_counter():
     assert counted.tokens == batch[0].numel() and counted.ops > 0
 
 
+def test_the_experts_grouped_gemm_counts_the_flops_of_the_per_expert_loop():
+    """A mixture-of-experts model's FLOPs (MFU in callbacks.throughput, compute in `fw plan`)
+    do not depend on how its experts' GEMMs run: torch's counter alone sees none in
+    grouped_mm, forward or backward."""
+    from framework.nn.moe import GroupedExperts
+    from framework.perf import flop_counter
+
+    grouped, loop = GroupedExperts(32, 64, 4), GroupedExperts(32, 64, 4, gemm="loop")
+    loop.load_state_dict(grouped.state_dict())
+    x = torch.randn(40, 32, requires_grad=True)
+    counts = torch.tensor([9, 0, 17, 14])  # an expert with no rows: its group is empty
+    found = {}
+    for name, experts in {"grouped": grouped, "loop": loop}.items():
+        assert experts.use_grouped(x) == (name == "grouped")
+        counter = flop_counter()
+        with counter:
+            experts(x, counts).square().sum().backward()
+        found[name] = counter.get_total_flops()
+    # 3 GEMMs of 40 rows, 32 x 64, forward and twice in backward
+    assert found["grouped"] == found["loop"] == 3 * 3 * 2 * 40 * 32 * 64
+
+
 def layout(**changes):
     facts = {
         "tp": 1,
