@@ -10,8 +10,9 @@ layouts' steps take different numbers of tokens). Every such pair is printed and
 
 Run: python -m benchmarks.plan_accuracy (2 processes, eight layouts, about 6 minutes on two quiet
 cores); --rounds R calibrates and measures R times and keeps each layout's median ratio;
---gpus 4 for ddp, fsdp, fsdp_tp (tp=2) and a pipeline (pp=2 x fsdp=2) at 4 processes
-(results/plan_accuracy_4.json); --layouts a,b for some of them.
+--gpus 4 for the same eight at 4 processes, where tensor and expert have two replicas, fsdp_tp
+is fsdp 2 x tp 2 and the pipeline pp 2 x fsdp 2 (results/plan_accuracy_4.json); --layouts a,b
+for some of them (results/plan_accuracy[_4]_a_b.json).
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ LAYOUTS = {
 }
 LAYOUTS_4 = {
     "ddp": LAYOUTS["ddp"],
+    "zero2": LAYOUTS["zero2"],
     "fsdp": LAYOUTS["fsdp"],
+    "tensor": [*LAYOUTS["tensor"], "strategy.dp=2"],  # tp 2, two replicas
     "fsdp_tp": LAYOUTS["fsdp_tp"],  # fsdp 2 x tp 2
     "pipeline": [*PIPELINE, "strategy.pp=2", "strategy.fsdp=2"],
+    "expert": LAYOUTS["expert"],  # ep 2, two replicas
+    "diloco": LAYOUTS["diloco"],
 }
 BOUND = 0.25
 APART = 0.15  # measured times further apart than this must be predicted in the same order
@@ -211,6 +216,8 @@ def main() -> None:
             f"{c['copy_gb_per_s']:.1f} GB/s, latency {c['latency_s'] * 1e3:.2f} ms; host {costs}"
         )
     name = "plan_accuracy" if args.gpus == 2 else f"plan_accuracy_{args.gpus}"
+    if args.layouts:  # some layouts: their own file, the full run's kept
+        name += "_" + "_".join(layouts)
     results = {"gpus": args.gpus, "bound": BOUND, "layouts": rows, "rank_order": order}
     extra = {"rounds": len(rounds), "calibrations": summaries}
     save_results(name, {**results, **extra, "calibration": calibration}, load)
