@@ -79,9 +79,8 @@ def typical_time(run, repeats: int = 5) -> float:
 
 def time_per_call(call, window_s: float = 0.1, repeats: int = 7) -> float:
     """Seconds per `call`, the median of `repeats` windows of about `window_s` each (as many
-    calls as fill one, from a timed first call). A window of a few milliseconds moved a
-    matmul's rate by up to 1.4x between two calibrations minutes apart; a tenth of a second
-    holds it to a few percent on this project's 2-core machines."""
+    calls as fill one, from a timed first call): a window spans many scheduling slices, not
+    the one or two of a few milliseconds' work."""
     started = time.perf_counter()
     call()
     calls = max(1, round(window_s / max(time.perf_counter() - started, 1e-9)))
