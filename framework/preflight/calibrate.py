@@ -137,13 +137,11 @@ def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
     plan` counts with: plain; tensor parallel (column- then row-wise linears): (its time - the
     plain one's) per operation on DTensors; FSDP2 (each linear a unit, and the root): (its time
     - the plain one's - its DTensor operations at that cost) per unit, the unit's hooks and
-    copies in and out. The parallel probes run on a mesh of one process each (every process at
-    once, as they share the cores in a job), so what is measured is the host's work alone: over
-    the N processes' mesh their collectives would be priced at the latency, whose median
-    between processes sharing cores (about 2 ms here) outweighs the host's work they wait
-    beside and left FSDP2's unit a negative remainder. Collectives a probe still issues are
-    taken off at the latency. A collective the communication term does not list costs the
-    latency."""
+    copies in and out. The parallel probes run on a one-process mesh in every process at once
+    (sharing the cores as a job does), so they time the host's work alone; over the N
+    processes' mesh, taking their collectives off at the median latency (about 2 ms here)
+    left FSDP2's unit below zero. Collectives a probe still issues are taken off at the
+    latency. A collective the communication term does not list costs the latency."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
