@@ -106,7 +106,7 @@ def layout(gpus: int, fsdp: int, tp: int, batch: int, params: int, shape: dict, 
         },
         "tensor_collectives": 4 * layers,
         "expert_collectives": 0,
-        "pipeline_sends": 0,
+        "pipeline_receives": 0,
         # fp32 master parameters, gradients and Adam's two states, sharded
         "state_bytes": {"params": 2 * grads, "grads": 2 * grads, "optimizer": 4 * grads},
     }

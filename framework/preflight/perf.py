@@ -260,7 +260,7 @@ def charged_collectives(layout: dict[str, Any]) -> int:
     found = math.ceil(traffic["data"] / BUCKET_BYTES) if sizes["data"] > 1 else 0
     found += layout["tensor_collectives"] if sizes["tensor"] > 1 else 0
     found += layout["expert_collectives"] if sizes["experts"] > 1 else 0
-    found += layout["pipeline_sends"] if traffic["pipeline"] else 0
+    found += layout["pipeline_receives"] if traffic["pipeline"] else 0
     return found + (layout.get("context_collectives", 0) if traffic.get("context") else 0)
 
 
@@ -303,12 +303,12 @@ def exposed_comm(layout: dict[str, Any], device: Device, compute_s: float) -> fl
         traffic["experts"], layout["expert_collectives"], sizes["experts"],
         link_of("experts", layout, device),
     )  # fmt: skip
-    # point to point: the whole volume crosses the link, one latency per send
+    # point to point: the whole volume crosses the link, one latency per blocking receive
     p2p = traffic["pipeline"]
     link = link_of("pipeline", layout, device)
     pipe = 0.0
     if p2p:
-        pipe = p2p / (link.gb_per_s * 1e9) + layout["pipeline_sends"] * link.latency_s
+        pipe = p2p / (link.gb_per_s * 1e9) + layout["pipeline_receives"] * link.latency_s
     # context parallel's K/V: the bytes that leave the rank (traffic.context_bytes), blocking
     kv = traffic.get("context", 0.0)
     if kv:

@@ -190,12 +190,23 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
         },
         "tensor_collectives": 4 * max(1, n_layer // pp) * micro,
         "expert_collectives": 4 * max(1, n_layer // pp) * micro,
-        "pipeline_sends": 2 * micro * virtual,
+        "pipeline_receives": pipeline_receives(pp, micro, virtual),
         "context_collectives": context_collectives(report, cp) * max(1, n_layer // pp) * micro,
         "state_bytes": {"params": worst.params, "grads": worst.grads, "optimizer": worst.optimizer},
         # each simulated rank's host calls per step (simulate.RankMemory.host; perf's host term)
         "host_counts": [r.host for r in report.ranks],
     }
+
+
+def pipeline_receives(pp: int, micro: int, virtual: int) -> int:
+    """Blocking receives of the busiest pipeline rank in a step: each of its v stages receives
+    every microbatch's activations (unless it is the first stage) and their gradients (unless it
+    is the last). A middle rank waits 2·m·v times; with two ranks both are ends, so m·(2v - 1).
+    The schedules do not wait on a send before going on (1f1b fuses each send with the receive
+    that follows it), so a send costs its bytes and no latency of its own."""
+    if pp <= 1:
+        return 0
+    return micro * (2 * virtual - 1) if pp == 2 else 2 * micro * virtual
 
 
 def context_collectives(report: CheckReport, cp: int) -> int:

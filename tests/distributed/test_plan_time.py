@@ -1,16 +1,20 @@
 """`fw calibrate` then `fw plan --hardware FILE --measure 1`: the prediction made from this
 machine's calibration is printed next to a real run of the same layout (issue 30). How close the
 two are is a benchmark (benchmarks/plan_accuracy.py, figures in docs/preflight.md), not a test:
-measured step times depend on the machine's load."""
+measured step times depend on the machine's load. The receives the plan charges a pipeline a
+latency for are those torch's schedules post."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from framework.preflight.hardware import read_calibration
-from tests.conftest import fw
+from framework.preflight.traffic import pipeline_receives
+from tests.conftest import REPO, fw, fw_env
 
 GPT = [
     "task=gpt",
@@ -44,3 +48,27 @@ def test_a_calibration_feeds_the_plan_and_measure_runs_the_layout(tmp_path):
     assert measured["predicted_over_measured"] == pytest.approx(row["step_s"] / measured["step_s"])
     assert measured["tokens_per_s"] > 0, measured
     assert row["terms_s"]["host"] == 0.0  # a ddp replica dispatches no DTensor operation
+
+
+@pytest.mark.slow
+def test_the_plan_charges_the_pipeline_the_receives_its_schedule_waits_on(tmp_path):
+    """The busiest pipeline rank's blocking receives in a step, as perf.py's communication term
+    charges them (a latency each), against the receives torch's schedules post in 3 processes:
+    m for either rank of a 1f1b or gpipe pipeline of 2, 2m for the middle rank of 3, m(2v - 1)
+    for an interleaved pipeline of 2 with v stages a rank."""
+    script = REPO / "tests" / "distributed" / "scripts" / "pipeline_receives.py"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+    done = subprocess.run(
+        [*launch, str(script), str(tmp_path)],
+        env=fw_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    cases = {"1f1b pp2": (2, 4, 1), "gpipe pp2": (2, 4, 1), "1f1b pp3": (3, 4, 1)}
+    cases["interleaved_1f1b pp2"] = (2, 4, 2)
+    for name, (pp, micro, virtual) in cases.items():
+        busiest = max(found[name] for found in ranks)
+        assert busiest == pipeline_receives(pp, micro, virtual), (name, [r[name] for r in ranks])

@@ -83,7 +83,7 @@ def layout(**changes):
         "spans_nodes": {"data": False, "tensor": False, "experts": False, "pipeline": False},
         "tensor_collectives": 0,
         "expert_collectives": 0,
-        "pipeline_sends": 0,
+        "pipeline_receives": 0,
         "state_bytes": {"params": 0, "grads": 0, "optimizer": 0},
     }
     for key, value in changes.items():  # a nested dict updates its entries
