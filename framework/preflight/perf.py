@@ -153,7 +153,7 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
     """One whole replica's optimizer step (forward, backward, with the job's activation
     checkpointing and precision) counted on fake tensors; a model whose shapes depend on the
     data (routed experts) is counted on real tensors when small, else estimated at 6 FLOPs per
-    parameter and token."""
+    active parameter (`active_parameters`) and token."""
     from framework.callbacks._throughput import sizes_in
     from framework.nn.transforms import ModelTransforms
     from framework.preflight import fakes
@@ -176,8 +176,10 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
             n = sum(p.numel() for p in task.parameters())
             counter, how = real_count(cfg, batch) if n <= max_real_params else (None, "")
             if counter is None:
-                return Work(6.0 * n * max(tokens, rows) * accumulate, 0.0, 0, tokens * accumulate,
-                            rows * accumulate, "6 x parameters x tokens (data-dependent shapes)")  # fmt: skip
+                active = active_parameters(task)
+                return Work(6.0 * active * max(tokens, rows) * accumulate, 0.0, 0,
+                            tokens * accumulate, rows * accumulate,
+                            "6 x active parameters x tokens (data-dependent shapes)")  # fmt: skip
     return Work(
         float(counter.flops) * accumulate,
         float(counter.bytes) * accumulate,
@@ -186,6 +188,41 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
         rows * accumulate,
         how,
     )
+
+
+def active_parameters(task) -> float:
+    """The parameters one token runs through: all of them, less the experts a token is not
+    routed to. Each stacked expert weight of a framework.nn MoE layer, or of a transformers
+    sparse MoE block (the modules its `ep_plan` names), counts top_k / num_experts of its size."""
+    from framework.nn import hf
+    from framework.nn.keys import matches
+    from framework.parallel.experts import moe_layers
+
+    total = float(sum(p.numel() for p in task.parameters()))
+    idle, seen = 0.0, set()
+
+    def routed(weights, k, experts) -> None:
+        nonlocal idle
+        for w in weights:
+            if k and experts and id(w) not in seen:
+                seen.add(id(w))
+                idle += w.numel() * (1 - min(k, experts) / experts)
+
+    for layer in moe_layers(task):
+        router = getattr(layer, getattr(layer, "router_name", "router"), None)
+        k = getattr(layer.router, "top_k", None) or getattr(router, "top_k", None)
+        names = layer.experts.weight_names
+        routed([getattr(layer.experts, n) for n in names], k, layer.num_experts)
+    for _, model in hf.models(task):
+        config = getattr(model, "config", None)
+        k = getattr(config, "num_experts_per_tok", None)
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        keys = [key for key, style in dict(getattr(model, "ep_plan", None) or {}).items()
+                if style == "ep_dispatch_experts"]  # fmt: skip
+        for name, module in model.named_modules():
+            if any(matches(key, name) for key in keys):
+                routed(list(module.parameters()), k, experts)
+    return total - idle
 
 
 def real_count(cfg, batch):

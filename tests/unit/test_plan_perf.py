@@ -409,3 +409,41 @@ def test_a_tensor_parallel_rank_touches_most_of_a_replicas_other_bytes():
                 run()
     assert counted["rank"].flops == pytest.approx(counted["replica"].flops / 2, rel=0.01)
     assert counted["rank"].bytes > 0.75 * counted["replica"].bytes
+
+
+def test_a_mixture_of_experts_too_large_to_count_is_estimated_from_its_active_parameters():
+    """A routed model whose shapes depend on the data and is too large to count on real tensors
+    is estimated at 6 FLOPs per parameter and token; a token runs through top_k of num_experts
+    experts, so only that share of the expert weights counts (framework.nn MoE layers and
+    transformers sparse MoE blocks alike)."""
+    import transformers
+
+    from framework.config.compose import compose_config
+    from framework.instantiate import build_task, instantiate_args
+    from framework.preflight.perf import active_parameters, count_replica
+    from framework.runner import resolve
+    from tests.hf_moe_tasks import qwen3_moe_config
+    from tests.unit.test_hf_moe import Holder
+
+    def expected(module, k, experts) -> float:
+        named = dict(module.named_parameters())
+        routed = sum(p.numel() for n, p in named.items() if ".experts." in n)
+        assert routed > 0
+        return sum(p.numel() for p in named.values()) - routed * (1 - k / experts)
+
+    cfg = compose_config(["experiment=moe_gpt_tiny", "trainer.accelerator=cpu"])
+    resolve(cfg)
+    torch.manual_seed(0)
+    task = build_task(cfg.task)
+    model = cfg.task.model
+    assert model.top_k < model.num_experts
+    assert active_parameters(task) == expected(task, model.top_k, model.num_experts)
+    qwen = Holder(transformers.Qwen3MoeForCausalLM(qwen3_moe_config()))  # top 2 of 4
+    assert active_parameters(qwen) == expected(qwen, 2, 4)
+
+    data = instantiate_args(cfg.task.data)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    work = count_replica(cfg, batch, max_real_params=0)  # the estimate, as for a large model
+    assert work.flops == 6 * active_parameters(task) * batch[0].numel()
+    assert "active parameters" in work.counted
