@@ -136,6 +136,8 @@ def counting_mode():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
+            if func.namespace == "prim":  # metadata (prim::device, asked of fake tensors only)
+                return out
             packet = func._overloadpacket
             formula = flop_registry.get(packet)
             self.ops += 1

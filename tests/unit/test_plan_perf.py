@@ -48,6 +48,18 @@ def test_flops_per_step_equal_the_throughput_callbacks_counter():
     assert counted.tokens == batch[0].numel() and counted.ops > 0
 
 
+def test_the_count_on_fake_tensors_is_the_count_on_real_tensors():
+    """`fw plan` counts a replica's step on fake tensors; what it finds (FLOPs, the bytes the
+    other operations touch, the operations launched) is what the same step counts on real ones:
+    the metadata queries only fake tensors dispatch (prim::device) are not operations."""
+    from framework.preflight.perf import count_replica, real_count
+
+    cfg, batch = composed_tiny()
+    fake = count_replica(cfg, batch)
+    real, _ = real_count(cfg, batch)
+    assert (fake.flops, fake.other_bytes, fake.ops) == (real.flops, real.bytes, real.ops)
+
+
 def test_the_experts_grouped_gemm_counts_the_flops_of_the_per_expert_loop():
     """A mixture-of-experts model's FLOPs (MFU in callbacks.throughput, compute in `fw plan`)
     do not depend on how its experts' GEMMs run: torch's counter alone sees none in
