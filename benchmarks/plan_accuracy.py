@@ -113,6 +113,7 @@ def summary(calibration: dict) -> dict:
     """A round's calibration in the figures its predictions move with."""
     return {
         "fp32_tflops": calibration["tflops"]["fp32"],
+        "attention_fp32_tflops": calibration.get("attention_tflops", {}).get("fp32", 0.0),
         "copy_gb_per_s": calibration["hbm_gb_per_s"],
         "latency_s": calibration["intra"]["latency_s"],
         "host": calibration.get("host", {}),
@@ -212,7 +213,8 @@ def main() -> None:
     for i, c in enumerate(summaries, 1):
         costs = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c["host"].items())
         print(
-            f"round {i} calibration: fp32 {c['fp32_tflops'] * 1e3:.1f} GFLOP/s, copy "
+            f"round {i} calibration: fp32 {c['fp32_tflops'] * 1e3:.1f} GFLOP/s (attention "
+            f"{c.get('attention_fp32_tflops', 0.0) * 1e3:.1f}), copy "
             f"{c['copy_gb_per_s']:.1f} GB/s, latency {c['latency_s'] * 1e3:.2f} ms; host {costs}"
         )
     name = "plan_accuracy" if args.gpus == 2 else f"plan_accuracy_{args.gpus}"

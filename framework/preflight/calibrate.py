@@ -5,7 +5,8 @@ N processes (2 by default) are started with torch's launcher (`torch.distributed
 torchrun), on the backend `fw train` would use here (gloo on the CPU), each with the threads a
 worker of an N-process job gets (framework/worker.py: the cores shared out). Measured at the same
 time in every process, as the job's ranks compete for the cores: matmul FLOP/s by dtype, the
-memory bandwidth of a large copy, the host cost of one small operation; then the all-reduce time
+memory bandwidth of a large copy, the host cost of one small operation, fused attention's
+FLOP/s by dtype (forward and backward; on this CPU it runs well below the matmuls'); then the all-reduce time
 by message size, from which the latency (the small messages) and the bus bandwidth (the
 largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; then the host's
 cost of an operation on DTensors and of one FSDP2 unit's hooks per step, from a small model's
@@ -30,6 +31,7 @@ from framework.errors import ConfigError
 MATMUL = 512  # square matmuls of this size: a small transformer's per-rank shapes
 SIZES = [2**k for k in range(10, 25, 2)]  # all-reduce bytes: 1 KiB .. 16 MiB
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ATTENTION = (4, 4, 256, 32)  # batch, heads, sequence, head width: the attention probe's q, k, v
 
 
 def calibrate_command(args: list[str]) -> int:
@@ -104,7 +106,35 @@ def compute_rates(torch, together) -> dict:
     small = torch.ones(8)
     together()
     ops = time_per_call(lambda: small.add(1))
-    return {"tflops": rates, "copy_gb_per_s": 2 * big.numel() * 4 / seconds / 1e9, "op_s": ops}
+    attention = {name: attention_rate(torch, dtype, together) for name, dtype in DTYPES.items()}
+    return {
+        "tflops": rates,
+        "attention_tflops": attention,
+        "copy_gb_per_s": 2 * big.numel() * 4 / seconds / 1e9,
+        "op_s": ops,
+    }
+
+
+def attention_rate(torch, dtype: str, together) -> float:
+    """TFLOP/s of causal fused attention, forward and backward (ATTENTION's shape), its FLOPs
+    counted as `fw plan` counts a step's (framework.preflight.perf.counting_mode)."""
+    from framework.preflight.perf import counting_mode
+
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(*ATTENTION, dtype=getattr(torch, dtype), requires_grad=True) for _ in range(3)
+    )
+
+    def run():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+        q.grad = k.grad = v.grad = None
+
+    counter = counting_mode()
+    with counter:
+        run()
+    together()
+    return counter.attention_flops / time_per_call(run) / 1e12
 
 
 def probe_model(torch):
@@ -214,6 +244,7 @@ def measure(out: str) -> None:
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
         slowest = {k: min(g["tflops"][k] for g in gathered) for k in DTYPES}
+        attention = {k: min(g["attention_tflops"][k] for g in gathered) for k in DTYPES}
         copy = min(g["copy_gb_per_s"] for g in gathered)
         op = max(g["op_s"] for g in gathered)
         host = {k: max(g["host"][k] for g in gathered) for k in gathered[0]["host"]}
@@ -234,6 +265,7 @@ def measure(out: str) -> None:
             overlap=0.0,
             accelerator="cpu",
             host=host,
+            attention_tflops=attention,
             measured={
                 "processes": n,
                 "threads": torch.get_num_threads(),

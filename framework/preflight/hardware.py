@@ -76,11 +76,18 @@ class Device:
     accelerator: str = "gpu"  # trainer.accelerator of a job on it ("cpu" for a calibrated CPU)
     measured: dict = field(default_factory=dict)  # a calibration's raw figures
     host: dict = field(default_factory=dict)  # seconds per call: dtensor_op, collective, fsdp_unit
+    # fused attention's TFLOP/s by dtype as measured (fw calibrate); none: the matmuls' rate
+    attention_tflops: dict = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of the matmuls in `dtype` (fp32 math runs on tf32 tensor cores only when
         asked to, so fp32 is fp32)."""
         return self.tflops.get(dtype, self.tflops["fp32"]) * 1e12
+
+    def attention_rate(self, dtype: str) -> float:
+        """FLOP/s of the fused attention kernels in `dtype`: measured, else the matmuls'."""
+        measured = self.attention_tflops.get(dtype) or self.attention_tflops.get("fp32")
+        return measured * 1e12 if measured else self.peak(dtype) * self.efficiency
 
 
 NVLINK3 = Link("NVLink 3", 300.0, 5e-6)

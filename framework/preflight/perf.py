@@ -3,7 +3,8 @@
 step = compute + exposed communication + pipeline bubble + optimizer step + data wait, where
 
 - compute: the rank's FLOPs over (the matmul peak in the step's dtype x the device class's
-  efficiency), plus the bytes that operations without a FLOP formula (norms, activations,
+  efficiency), those of the fused attention kernels over the attention rate the calibration
+  measured (a device without one: the matmuls' rate), plus the bytes that operations without a FLOP formula (norms, activations,
   residual adds, casts) read and write over the memory bandwidth; on a device that launches
   work ahead of the host (a GPU) the host's launch cost per operation only matters when it is
   the longer of the two, on the CPU it adds. The FLOPs and bytes are counted, once per plan,
@@ -65,6 +66,7 @@ class Work:
     tokens: int  # token ids in the batch (0 when the input is not token ids)
     rows: int
     counted: str = "fake tensors"  # or how else the figures were found
+    attention_flops: float = 0.0  # the part of `flops` the fused attention kernels compute
 
 
 @dataclass
@@ -131,6 +133,7 @@ def counting_mode():
         def __init__(self) -> None:
             super().__init__()
             self.flops = self.bytes = 0
+            self.attention_flops = 0
             self.ops = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -142,13 +145,23 @@ def counting_mode():
             formula = flop_registry.get(packet)
             self.ops += 1
             if formula is not None:
-                self.flops += formula(*args, **kwargs, out_val=out)
+                flops = formula(*args, **kwargs, out_val=out)
+                self.flops += flops
+                if is_attention(packet.__name__):
+                    self.attention_flops += flops
             elif packet.__name__ not in free:
                 tensors = [t for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t)]
                 self.bytes += sum(t.numel() * t.element_size() for t in tensors)
             return out
 
     return Counting()
+
+
+def is_attention(name: str) -> bool:
+    """Whether an operation (its overload packet's name) is a fused attention kernel."""
+    return (
+        "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name
+    )
 
 
 def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
@@ -189,6 +202,7 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
         tokens * accumulate,
         rows * accumulate,
         how,
+        float(counter.attention_flops) * accumulate,
     )
 
 
@@ -271,8 +285,11 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     # without sequence parallel, norms, residual adds, embeddings and the loss run whole on
     # every tensor-parallel rank (a layout that does not say keeps the old split)
     spread = share if layout.get("sequence_parallel", True) else pp
-    busy = flops / (peak * device.efficiency) + work.other_bytes / spread / (
-        device.hbm_gb_per_s * 1e9
+    attention = work.attention_flops / share  # the heads split as the matmuls do
+    busy = (
+        (flops - attention) / (peak * device.efficiency)
+        + attention / device.attention_rate(dtype)
+        + work.other_bytes / spread / (device.hbm_gb_per_s * 1e9)
     )
     launch = work.ops / pp * layout["microbatches"] * device.op_overhead_s  # per microbatch
     compute = max(busy, launch) if device.accelerator != "cpu" else busy + launch

@@ -37,6 +37,9 @@ def test_a_calibration_feeds_the_plan_and_measure_runs_the_layout(tmp_path):
     assert set(device.host) == {"dtensor_op", "collective", "fsdp_unit"}, device.host
     assert device.host["dtensor_op"] > 0 and device.host["fsdp_unit"] > 0, device.host
     assert device.host["collective"] == device.intra.latency_s
+    # fused attention's own rate, forward and backward, by dtype
+    assert set(device.attention_tflops) == {"fp32", "bf16", "fp16"}, device.attention_tflops
+    assert all(rate > 0 for rate in device.attention_tflops.values()), device.attention_tflops
     args = ["plan", "--gpus", "2", "--hardware", str(calibration), "--json", "--measure", "1"]
     done = fw(*args, *GPT, cwd=tmp_path, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

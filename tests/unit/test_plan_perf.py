@@ -459,3 +459,31 @@ def test_a_mixture_of_experts_too_large_to_count_is_estimated_from_its_active_pa
     work = count_replica(cfg, batch, max_real_params=0)  # the estimate, as for a large model
     assert work.flops == 6 * active_parameters(task) * batch[0].numel()
     assert "active parameters" in work.counted
+
+
+def test_the_fused_attention_is_counted_apart_and_charged_at_its_measured_rate():
+    """A step's fused attention FLOPs (torch's own counter finds the same), charged at the
+    attention rate `fw calibrate` measures: on this CPU the kernel runs well below the matmuls.
+    A device without a measured rate charges them at the matmuls' (the known GPUs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from framework.instantiate import build_task
+    from framework.perf import register_flop_formulas
+    from framework.preflight.perf import count_replica
+    from framework.preflight.simulate import whole_step
+
+    cfg, batch = composed_tiny()
+    work = count_replica(cfg, batch)
+    register_flop_formulas()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        whole_step(build_task(cfg.task), batch, False)()
+    counts = counter.get_flop_counts()["Global"]
+    attention = sum(v for op, v in counts.items() if "scaled_dot_product" in str(op))
+    assert 0 < work.attention_flops == attention < work.flops
+
+    plain = predict(work, layout(), CPU).compute_s
+    rate = CPU.peak("bf16") * CPU.efficiency / 2 / 1e12  # attention at half the matmuls' rate
+    slower = Device(**{**CPU.__dict__, "attention_tflops": {"fp32": rate}})
+    extra = predict(work, layout(), slower).compute_s - plain
+    assert extra == pytest.approx(work.attention_flops / (CPU.peak("bf16") * CPU.efficiency))
