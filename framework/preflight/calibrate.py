@@ -6,10 +6,10 @@ torchrun), on the backend `fw train` would use here (gloo on the CPU), each with
 worker of an N-process job gets (framework/worker.py: the cores shared out). Measured at the same
 time in every process, as the job's ranks compete for the cores: matmul FLOP/s by dtype, the
 memory bandwidth of a large copy, the host cost of one small operation, fused attention's
-FLOP/s by dtype (forward and backward; on this CPU it runs well below the matmuls'); then the all-reduce time
-by message size, from which the latency (the small messages) and the bus bandwidth (the
-largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; then the host's
-cost of an operation on DTensors and of one FSDP2 unit's hooks per step, from a small model's
+FLOP/s by dtype (forward and backward; on this CPU it runs well below the matmuls'); then the
+all-reduce time by message size, from which the latency (the small messages) and the bus
+bandwidth (the largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken;
+then the host's cost of an operation on DTensors and of one FSDP2 unit's hooks per step, from a small model's
 step run plain, tensor parallel and under FSDP2 (`host_costs`). Each figure is the median of
 its repeats (`typical_time`; the rates over windows of about 0.1 s, `time_per_call`), as a
 measured step is the median of its windows. The figures are the rates a step meets on this

@@ -4,8 +4,9 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
 
 - compute: the rank's FLOPs over (the matmul peak in the step's dtype x the device class's
   efficiency), those of the fused attention kernels over the attention rate the calibration
-  measured (a device without one: the matmuls' rate), plus the bytes that operations without a FLOP formula (norms, activations,
-  residual adds, casts) read and write over the memory bandwidth; on a device that launches
+  measured (a device without one: the matmuls' rate), plus the bytes that operations without
+  a FLOP formula (norms, activations, residual adds, casts) read and write over the memory
+  bandwidth; on a device that launches
   work ahead of the host (a GPU) the host's launch cost per operation only matters when it is
   the longer of the two, on the CPU it adds. The FLOPs and bytes are counted, once per plan,
   on one whole replica's step on the per-rank batch with fake tensors, with the counter
