@@ -7,6 +7,7 @@ pipeline_receives.py OUT. Writes OUT/rank<R>.json: {case: the rank's receives in
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -78,6 +79,12 @@ def main(out: Path) -> None:
     found = {name: step(*case) for name, case in CASES.items()}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
+    # Written and the group left. The interpreter's teardown would free the process groups
+    # while gloo's threads may still hold them, which can abort the process ("terminate called
+    # without an active exception", as framework/preflight/calibrate.py found): leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
