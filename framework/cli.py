@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from framework.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, ConfigError
+from framework.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, EXIT_TERMINATED, ConfigError
 
 USAGE = """\
 usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]   train (-m: one job per
@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(err, "exit_code", None) == EXIT_PREEMPTED:  # Preempted, WorkersPreempted
             logging.getLogger("framework").warning("%s", err)
             return EXIT_PREEMPTED
+        if getattr(err, "exit_code", None) == EXIT_TERMINATED:  # worker.Terminated
+            logging.getLogger("framework").warning("%s", err)
+            return EXIT_TERMINATED
         raise
 
 

@@ -9,6 +9,7 @@ from typing import Any
 EXIT_FAILED = 1  # a worker failed
 EXIT_CONFIG = 2  # a configuration or usage error (ConfigError)
 EXIT_PREEMPTED = 75  # stopped on SIGTERM/SIGUSR1 after a checkpoint (EX_TEMPFAIL): run it again
+EXIT_TERMINATED = 143  # stopped on SIGTERM with no checkpoint taken on it (128 + SIGTERM)
 
 
 class ConfigError(Exception):

@@ -26,7 +26,7 @@ from framework.config.compose import compose_config, expand_sweeps
 from framework.config.job_plan import JobPlan
 from framework.config.validate import validate
 from framework.context import flatten, load_run_state
-from framework.errors import EXIT_PREEMPTED, ConfigError
+from framework.errors import EXIT_PREEMPTED, EXIT_TERMINATED, ConfigError
 from framework.plugins import load_plugin, typed_config
 from framework.secrets import ENV as SECRETS_ENV
 from framework.secrets import key_pattern, redact
@@ -236,7 +236,7 @@ def train(
         try:
             run_job(job)
         except Exception as err:
-            if not multirun or getattr(err, "exit_code", None) == EXIT_PREEMPTED:
+            if not multirun or getattr(err, "exit_code", None) in (EXIT_PREEMPTED, EXIT_TERMINATED):
                 raise  # a preempted sweep stops here; rerunning it resumes every job
             log.error("Job %d (%s) failed: %s", number, job.run_dir, err)
             failed.append(err)

@@ -24,6 +24,7 @@ from framework import allocator, secrets, watchdog
 from framework.config import job_plan
 from framework.config.job_plan import JobPlan
 from framework.context import RunContext, load_run_state
+from framework.errors import EXIT_TERMINATED
 from framework.instantiate import build_task, instantiate_args
 from framework.logs import quiet_lightning, setup_logging
 from framework.plugins import load_plugin, typed_config
@@ -51,6 +52,29 @@ STARTS = ("here", "fork", "spawn")  # how the process that runs `entry` came to 
 MODULES_FILE = "modules.txt"  # in launcher=local's heartbeat directory: what a worker imported
 
 
+class Terminated(RuntimeError):
+    """The job's ranks stopped on SIGTERM without saving a checkpoint on it (no checkpoint
+    callback, or `callbacks.checkpoint.on_preemption=false`): Lightning's own SIGTERM handling
+    (`fw` exits 143, and a launcher does not restart the workers)."""
+
+    exit_code = EXIT_TERMINATED
+
+
+def terminated_message(run_dir: Path) -> str:
+    from framework import checkpointing
+
+    newest = checkpointing.listing(run_dir / "checkpoints")
+    then = (
+        f"the same command continues from the newest checkpoint (step {newest[0][0]})"
+        if newest
+        else "no checkpoint was saved: the same command starts over"
+    )
+    return (
+        "stopped on SIGTERM without a checkpoint taken on it (callbacks.checkpoint is off or "
+        f"its on_preemption is false); {then}"
+    )
+
+
 def entry(
     config_path: str | Path,
     resume_from: str | Path | None = None,
@@ -73,6 +97,8 @@ def entry(
     raises callbacks._checkpointer.Preempted (`fw` exits 75), or, when `on_preempted` is given,
     is handed to it (launcher=slurm requeues the job).
     """
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from framework.callbacks._checkpointer import Preempted
 
     if started not in STARTS:
@@ -96,6 +122,13 @@ def entry(
             raise
         else:
             sys.exit(stop.exit_code)
+    except SIGTERMException:
+        # Lightning stopped every rank at the same step on SIGTERM, with no checkpoint taken on
+        # it: its exception is a SystemExit of code 0, which a forked worker would end with as
+        # if it had finished (the launcher then waits for a result that never comes).
+        if started == "here":
+            raise Terminated(terminated_message(path.parent)) from None
+        sys.exit(EXIT_TERMINATED)
 
 
 def become_child(started: str) -> None:
@@ -123,6 +156,7 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     from framework.callbacks._checkpointer import STATE_FILE, Checkpointer, Preempted
     from framework.callbacks._elastic import callbacks as elastic_callbacks
     from framework.callbacks._lr_scaling import callbacks as scaling_callbacks
+    from framework.callbacks._vote import vote_on_sigterm
     from framework.config.elastic import fit_plan
     from framework.nn.transforms import ModelTransforms
     from framework.resume import needs_move
@@ -169,6 +203,8 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     # with one global order the strategy distributes the loaders (framework.data.order)
     own_order = cfg.task.data_order == "global"
     trainer = make_trainer(cfg.trainer, world, strategy, loggers, callbacks, run_dir, own_order)
+    voted = any(isinstance(c, Checkpointer) and c.cfg.on_preemption for c in callbacks)
+    sigterm_vote = vote_on_sigterm(trainer, voted)  # no blocking broadcast per step
     name_modules(world)
     ckpt_path = str(resume_from / STATE_FILE) if resume_from else None
     restart = int(os.environ.get(RESTART_ENV, "0"))
@@ -178,6 +214,8 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
         again = f" (restart {restart})" if restart else ""
         log.info("Resuming from %s (step %d)%s", resume_from, ctx.resume_step, again)
     trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+    if sigterm_vote is not None:
+        sigterm_vote.finish()
     close_process_group()
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
     if checkpointer is not None and checkpointer.preempted_at is not None:

@@ -531,3 +531,43 @@ class ParametersAtTrainEnd(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         seen = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
         torch.save(seen, os.path.join(self.out, f"params-rank{trainer.global_rank}.pt"))
+
+
+class StepCollectives(pl.Callback):
+    """Counts the collectives called through torch.distributed on each rank in training steps
+    `first`..`last` and before each of them (blocking or not, by name), and each step's local
+    loss; writes them to <run dir>/collectives-rank<R>.json at the end of training."""
+
+    NAMES = ("barrier", "broadcast", "all_reduce", "all_gather", "all_gather_object")
+
+    def __init__(self, first: int = 2, last: int = 6) -> None:
+        self.first, self.last = first, last
+        self.counting = False
+        self.counts: dict[str, int] = {}
+        self.losses: dict[int, float] = {}
+        dist = torch.distributed
+        for name in self.NAMES:
+            original = getattr(dist, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                if self.counting:
+                    key = f"{_name} (async)" if kwargs.get("async_op") else _name
+                    self.counts[key] = self.counts.get(key, 0) + 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counting = self.first <= trainer.global_step <= self.last
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.counting:
+            self.losses[trainer.global_step] = float(outputs["loss"])
+        # on from here: what Lightning runs between two steps counts for the next one
+        self.counting = self.first <= trainer.global_step <= self.last
+
+    def on_train_end(self, trainer, pl_module):
+        out = {"steps": self.last - self.first + 1, "counts": self.counts, "losses": self.losses}
+        path = f"{trainer.default_root_dir}/collectives-rank{trainer.global_rank}.json"
+        with open(path, "w") as f:
+            json.dump(out, f)

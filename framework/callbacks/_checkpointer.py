@@ -144,7 +144,9 @@ class Checkpointer(pl.Callback):
         self.cursor += per_rank * self.ctx.data_parallel[1]
         step = trainer.global_step
         self.announce(trainer)  # the previous step's checkpoint, with its validation's metrics
-        preempt = self.cfg.on_preemption and self._vote.agreed(self.signal_received or 0)
+        # a SIGTERM before on_train_start reached Lightning's handler (framework/step_sync.py)
+        local = self.signal_received or (signal.SIGTERM if trainer.received_sigterm else 0)
+        preempt = self.cfg.on_preemption and self._vote.agreed(local)
         due = self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
         # The last step is saved here, not in on_train_end: by then Lightning has closed the
         # epoch, and a resume with a larger max_steps would start a new one.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from framework import checkpointing
 from framework.config.fields import doc
-from framework.errors import EXIT_PREEMPTED, ConfigError
+from framework.errors import EXIT_PREEMPTED, EXIT_TERMINATED, ConfigError
 from framework.launchers import rendezvous
 from framework.launchers.outcomes import WorkersPreempted, describe_failures, preempted_message
 from framework.launchers.preload import Preload
@@ -371,6 +371,10 @@ def start_workers(
         codes = {f.exitcode for f in err.failures.values()}
         if EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}:
             raise WorkersPreempted(preempted_message(run_dir)) from None
+        if EXIT_TERMINATED in codes and codes <= {EXIT_TERMINATED, -signal.SIGTERM}:
+            from framework.worker import Terminated, terminated_message
+
+            raise Terminated(terminated_message(run_dir)) from None  # not restarted
         if watchdog is not None and watchdog.fired:
             return watchdog.fired
         return describe_failures(err, log_dir, exits.ended)

@@ -60,7 +60,8 @@ class Rank:
         }
 
     def run(self, env: dict, cwd: str, config_path: str, resume_from: str) -> dict:
-        """Train as the rank `env` names; {'status': finished|preempted|failed, 'error': ...}."""
+        """Train as the rank `env` names; {'status': finished|preempted|terminated|failed,
+        'error': ...}."""
         os.environ.update(env)
         if os.path.isdir(cwd):  # the user's modules, as fw finds them
             os.chdir(cwd)
@@ -71,6 +72,8 @@ class Rank:
         stopped: list = []
         try:
             worker.entry(config_path, resume_from or None, on_preempted=stopped.append)
+        except worker.Terminated:  # SIGTERM with no checkpoint taken on it
+            return {"status": "terminated"}
         except BaseException as err:  # noqa: BLE001 - SystemExit too: reported as this rank's
             traceback.print_exc()
             return {"status": "failed", "error": f"{type(err).__name__}: {err}".strip()}
@@ -214,6 +217,10 @@ class Attempt:
             return None
         if "preempted" in statuses and statuses <= {"preempted", "finished"} and not pending:
             raise WorkersPreempted(preempted_message(self.run_dir))
+        if "terminated" in statuses and statuses <= {"terminated", "finished"} and not pending:
+            from framework.worker import Terminated, terminated_message
+
+            raise Terminated(terminated_message(self.run_dir))  # not restarted
         return describe(ended)
 
     def stop_actors(self) -> None:
