@@ -19,6 +19,7 @@ is taken to hide behind compute (overlap 0).
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import subprocess
@@ -205,7 +206,57 @@ def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
     seconds, counts = found["fsdp"]
     extra = seconds - plain_s - counts.dtensor_ops * dtensor_op - counts.collectives * latency_s
     unit = max(0.0, extra / fsdp_units(sharded))
-    return {"dtensor_op": dtensor_op, "collective": latency_s, "fsdp_unit": unit}
+    step = max(0.0, trainer_step_s(torch) - plain_s)
+    return {"dtensor_op": dtensor_op, "collective": latency_s, "fsdp_unit": unit, "step": step}
+
+
+def trainer_step_s(torch, steps: int = 60) -> float:
+    """The median time between two training steps of the probe under a Lightning Trainer in
+    this process (one device, fw's profiler, no logger, callback or checkpoint): the plain
+    step's work plus the loop's own (fetching the batch, hooks, closure, optimizer wrapper)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from framework.callbacks._hooks import QuietProfiler
+
+    class Probe(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = probe_model(torch)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *args) -> None:
+            self.starts.append(time.perf_counter())
+
+    clock = Clock()
+    data = DataLoader(TensorDataset(torch.randn(8 * steps, 32)), batch_size=8)
+    import logging
+    import warnings
+
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # its device lines: not the calibration's output
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=pl.strategies.SingleDeviceStrategy("cpu"),
+            max_steps=steps, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, profiler=QuietProfiler(),
+            callbacks=[clock],
+        )  # fmt: skip
+        trainer.fit(Probe(), data)
+    lightning_log.setLevel(level)
+    gaps = [b - a for a, b in itertools.pairwise(clock.starts[steps // 4 :])]  # warmed up
+    return statistics.median(gaps)
 
 
 def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:

@@ -22,7 +22,9 @@ NCCL within a node, more across; `fw calibrate` measures them for a real backend
 `host` is the host's cost per call of the work a layout adds in Python (framework/preflight/
 perf.py's host term): `dtensor_op`, one operation dispatched on DTensors beyond the plain
 operation's launch; `collective`, the fixed cost of one collective the communication term does
-not list; `fsdp_unit`, one FSDP2 unit's hooks and copies in one step. For GPUs these are
+not list; `fsdp_unit`, one FSDP2 unit's hooks and copies in one step; `step`, the training
+loop's own work around one optimizer step (Lightning's loop, hooks and closure: `fw calibrate`
+measures 0.2-0.6 ms here; a server core several times faster, 0.1 ms assumed). For GPUs these are
 assumptions, not datasheet figures: `fw calibrate` measures about 0.05 ms for an operation in a
 tensor-parallel step (hooks, autograd) and 0.45 ms for an FSDP2 unit on this project's 2-core CPU
 machines; a server core with a free host runs Python several times faster, so 20 us; an NCCL
@@ -97,7 +99,7 @@ PCIE4 = Link("PCIe Gen4 x16", 32.0, 10e-6)
 PCIE5 = Link("PCIe Gen5 x16", 64.0, 10e-6)
 IB_NDR = Link("InfiniBand NDR 400 Gb/s", 50.0, 15e-6)
 ROCE_400 = Link("RoCE 400 GbE", 50.0, 20e-6)
-GPU_HOST = {"dtensor_op": 20e-6, "collective": 5e-6, "fsdp_unit": 100e-6}  # assumed: docstring
+GPU_HOST = {"dtensor_op": 20e-6, "collective": 5e-6, "fsdp_unit": 100e-6, "step": 100e-6}  # assumed
 
 DEVICES: dict[str, Device] = {
     "H100 SXM": Device(

@@ -27,7 +27,11 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
 - bubble: the schedule's idle share, compute x (p - 1) / (v x m) for p stages, m microbatches
   and v stages per rank (gpipe and 1f1b: v = 1).
 - optimizer step: memory-bound, the rank's parameters, gradients and optimizer state read and
-  the parameters and state written again, over the memory bandwidth.
+  the parameters and state written again, over the memory bandwidth; plus the launches of the
+  operations the task's optimizer runs (counted on fake tensors, `count_optimizer_step`: on the
+  CPU torch's AdamW loops over the parameters, about 9 operations each).
+- the values the task logs with `sync_dist` (counted in its training_step): a blocking
+  all-reduce of a scalar each, over every process, at every step (communication term).
 - data wait: 0 unless the calibration measured one.
 - host: the Python-level work of the layout's rank that the counted replica does not have,
   counted on the simulated rank of `fw check` (framework/preflight/simulate.py: the strategy's
@@ -39,7 +43,9 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   times its per-unit
   cost (`Device.host`: measured by `fw calibrate`, small defaults for GPUs); forward and
   backward counts times the microbatches, the optimizer step's once; the slowest simulated
-  rank's sum. On the CPU the host is the device: the term adds. On a GPU the host runs ahead
+  rank's sum; plus the training loop's own work once per optimizer step (`step`: Lightning's
+  loop around a step, measured by `fw calibrate` as a Trainer's step of a small model less
+  the same step written plainly). On the CPU the host is the device: the term adds. On a GPU the host runs ahead
   of the kernels, so only what the host's work (launches and this) takes beyond the device's
   busy time is added.
 """
@@ -68,6 +74,8 @@ class Work:
     rows: int
     counted: str = "fake tensors"  # or how else the figures were found
     attention_flops: float = 0.0  # the part of `flops` the fused attention kernels compute
+    synced_logs: int = 0  # values the step logs with sync_dist: one blocking all-reduce each
+    optimizer_ops: int = 0  # operations the optimizer's step launches (0: not counted)
 
 
 @dataclass
@@ -184,13 +192,16 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
         task = sim.build_fake_task(cfg.task, mode, cfg.trainer.precision)
         ModelTransforms(cfg.trainer.activation_checkpointing, False).apply(task)
         counter = counting_mode()
+        synced = count_synced_logs(task)
         try:
             with sim.autocast(cfg.trainer.precision), counter:
                 sim.whole_step(task, fakes.fake_batch(mode, batch), False)()
             how = "fake tensors"
+            stepped = count_optimizer_step(task, str(cfg.trainer.get("accelerator")) != "cpu")
         except fakes.data_dependent():
+            stepped = 0
             n = sum(p.numel() for p in task.parameters())
-            counter, how = real_count(cfg, batch) if n <= max_real_params else (None, "")
+            counter, how = real_count(cfg, batch, synced) if n <= max_real_params else (None, "")
             if counter is None:
                 active = active_parameters(task)
                 return Work(6.0 * active * max(tokens, rows) * accumulate, 0.0, 0,
@@ -204,7 +215,51 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
         rows * accumulate,
         how,
         float(counter.attention_flops) * accumulate,
+        synced[0] * accumulate,
+        stepped,
     )
+
+
+def count_optimizer_step(task, cuda: bool) -> int:
+    """Operations a step of the task's optimizer launches over the whole replica (its
+    gradients in place from the counted backward), as torch runs it on the job's device: a
+    loop over the parameters on the CPU (about 9 per parameter for AdamW: 264 for the
+    benchmarks' small GPT, 28 parameters, most of its 1.24 ms step here), the foreach form on
+    CUDA, a few for all of them (simulate.optimizer_of). 0: not counted. Its bytes are not taken from
+    the count: a step reads and writes each parameter's bytes about 20 times (37 MB for that
+    GPT), but a small model's states stay in the caches, where 37 MB at the copy rate would
+    take twice the whole step."""
+    from framework.preflight import simulate as sim
+
+    try:
+        optimizer = sim.optimizer_of(task, cuda)
+        optimizer.step()  # the first step also makes the state: a later one is counted
+        counter = counting_mode()
+        with counter:
+            optimizer.step()
+    except Exception as err:  # noqa: BLE001 - an optimizer fake tensors cannot step: not counted
+        log.debug("The optimizer step was not counted: %s", err)
+        return 0
+    return counter.ops
+
+
+def count_synced_logs(task) -> list[int]:
+    """Counts, in the returned list's one item, the values `task` logs with `sync_dist=True`
+    (`self.log`, `self.log_dict`): each is a blocking all-reduce over every process at every
+    training step under a Trainer (the strategy's `reduce`). Without one the calls do nothing."""
+    found = [0]
+    log, log_dict = task.log, task.log_dict
+
+    def counted_log(name, value, *args, **kwargs):
+        found[0] += bool(kwargs.get("sync_dist"))
+        return log(name, value, *args, **kwargs)
+
+    def counted_log_dict(values, *args, **kwargs):
+        found[0] += len(values) if kwargs.get("sync_dist") else 0
+        return log_dict(values, *args, **kwargs)
+
+    task.log, task.log_dict = counted_log, counted_log_dict
+    return found
 
 
 def active_parameters(task) -> float:
@@ -242,8 +297,9 @@ def active_parameters(task) -> float:
     return total - idle
 
 
-def real_count(cfg, batch):
-    """The count on real tensors (a small model whose step depends on its data)."""
+def real_count(cfg, batch, synced: list[int] | None = None):
+    """The count on real tensors (a small model whose step depends on its data); the values it
+    logs with sync_dist in `synced` (count_synced_logs), when given."""
     import torch
 
     from framework.instantiate import build_task
@@ -252,8 +308,11 @@ def real_count(cfg, batch):
     torch.manual_seed(int(cfg.seed))
     task = build_task(cfg.task)
     counter = counting_mode()
+    found = count_synced_logs(task)
     with sim._quiet_logging(), sim.autocast(cfg.trainer.precision), counter:
         sim.whole_step(task, batch, False)()
+    if synced is not None:
+        synced[:] = found
     return counter, "real tensors (data-dependent shapes)"
 
 
@@ -297,7 +356,7 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     bubble = 0.0
     if pp > 1:
         bubble = compute * (pp - 1) / (layout["virtual_stages"] * layout["microbatches"])
-    comm = exposed_comm(layout, device, compute)
+    comm = exposed_comm(layout, device, compute, work.synced_logs)
     host = host_work_s(layout, device)
     if device.accelerator != "cpu":  # the part of the host's work the kernels do not hide
         host = max(busy, launch + host) - compute
@@ -305,6 +364,9 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     optimizer = (2 * states["params"] + states["grads"] + 2 * states["optimizer"]) / (
         device.hbm_gb_per_s * 1e9
     )
+    # the launches of its operations: a rank steps each of its stage's tensors (or shards)
+    ops = work.optimizer_ops / pp * device.op_overhead_s
+    optimizer = optimizer + ops if device.accelerator == "cpu" else max(optimizer, ops)
     tokens = (work.tokens or work.rows) * layout["data_ranks"]
     return Prediction(
         compute, comm, bubble, optimizer, device.data_wait_s, flops, tokens, peak, host
@@ -325,9 +387,10 @@ def host_work_s(layout: dict[str, Any], device: Device) -> float:
     """Seconds of the host's per-call work on the slowest simulated rank (`host_counts`, one
     record per rank: forward and backward of one microbatch, `optimizer_*` for the step, and
     `fsdp_units`, whose hooks run each microbatch): DTensor dispatches, the collectives beyond
-    those already charged and FSDP2 units, each at its cost (`Device.host`)."""
+    those already charged and FSDP2 units, each at its cost (`Device.host`); and the training
+    loop's own work per optimizer step (`step`)."""
     micro = layout["microbatches"]
-    cost = {"dtensor_op": 0.0, "collective": 0.0, "fsdp_unit": 0.0, **device.host}
+    cost = {"dtensor_op": 0.0, "collective": 0.0, "fsdp_unit": 0.0, "step": 0.0, **device.host}
     charged = charged_collectives(layout)
     slowest = 0.0
     for counts in layout.get("host_counts", []):
@@ -339,7 +402,7 @@ def host_work_s(layout: dict[str, Any], device: Device) -> float:
             + counts.get("fsdp_units", 0) * micro * cost["fsdp_unit"]
         )
         slowest = max(slowest, seconds)
-    return slowest
+    return slowest + cost["step"]  # the training loop's own work, once per optimizer step
 
 
 def link_of(group: str, layout: dict[str, Any], device: Device):
@@ -347,7 +410,9 @@ def link_of(group: str, layout: dict[str, Any], device: Device):
     return device.inter if layout["spans_nodes"][group] else device.intra
 
 
-def exposed_comm(layout: dict[str, Any], device: Device, compute_s: float) -> float:
+def exposed_comm(
+    layout: dict[str, Any], device: Device, compute_s: float, synced: int = 0
+) -> float:
     traffic, sizes = layout["traffic"], layout["group_sizes"]
     data = traffic["data"]
     buckets = max(1, math.ceil(data / BUCKET_BYTES))
@@ -371,4 +436,8 @@ def exposed_comm(layout: dict[str, Any], device: Device, compute_s: float) -> fl
     if kv:
         link = link_of("context", layout, device)
         blocking += kv / (link.gb_per_s * 1e9) + layout["context_collectives"] * link.latency_s
+    # the values the task logs with sync_dist: a blocking all-reduce of a scalar each, over all
+    if synced and layout.get("world_size", 1) > 1:
+        link = device.inter if layout.get("world_spans_nodes") else device.intra
+        blocking += collective_s(4.0 * synced, synced, layout["world_size"], link)
     return max(0.0, data_s - hidden) + blocking + pipe

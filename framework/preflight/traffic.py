@@ -167,6 +167,8 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
     return {
         "tp": tp,
         "pp": pp,
+        "world_size": n,
+        "world_spans_nodes": many,
         "sequence_parallel": bool(getattr(report.strategy, "sequence_parallel", False)),
         "precision": str(cfg.trainer.precision),
         "data_ranks": data_ranks,
