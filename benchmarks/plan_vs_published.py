@@ -29,7 +29,8 @@ import torch
 
 from benchmarks.common import load_average, save_results
 from framework.preflight.hardware import DEVICES, Device
-from framework.preflight.perf import Work, counting_mode, predict
+from framework.preflight.perf import predict
+from framework.preflight.replica import Work, counting_mode
 
 LLAMA_31 = {
     "8B": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

@@ -118,8 +118,8 @@ def compute_rates(torch, together) -> dict:
 
 def attention_rate(torch, dtype: str, together) -> float:
     """TFLOP/s of causal fused attention, forward and backward (ATTENTION's shape), its FLOPs
-    counted as `fw plan` counts a step's (framework.preflight.perf.counting_mode)."""
-    from framework.preflight.perf import counting_mode
+    counted as `fw plan` counts a step's (framework.preflight.replica.counting_mode)."""
+    from framework.preflight.replica import counting_mode
 
     torch.manual_seed(0)
     q, k, v = (

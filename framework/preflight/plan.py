@@ -122,7 +122,8 @@ def predict_all(options: list[Option], device: Any, per_node: int) -> None:
     """Each option's predicted step on `device`; the replica's work is counted once (the
     layouts differ in strategy only, not in the per-rank batch or the model)."""
     from framework.preflight.check import first_batch
-    from framework.preflight.perf import count_replica, predict
+    from framework.preflight.perf import predict
+    from framework.preflight.replica import count_replica
 
     first = options[0].report
     work = count_replica(first.config, first_batch(first.config, first.plan))

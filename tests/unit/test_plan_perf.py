@@ -13,7 +13,8 @@ import torch
 
 from framework.cli import main
 from framework.preflight.hardware import DEVICES, Device, Link, known_device, write_calibration
-from framework.preflight.perf import Work, collective_s, predict
+from framework.preflight.perf import collective_s, predict
+from framework.preflight.replica import Work
 
 TINY = ["experiment=gpt_tiny", "task.data.batch_size=8"]
 KEYS = {"overrides", "step_s", "tokens_per_s", "mfu", "memory_gib", "hours", "cost"}
@@ -35,7 +36,7 @@ def composed_tiny():
 def test_flops_per_step_equal_the_throughput_callbacks_counter():
     from framework.instantiate import build_task
     from framework.perf import flop_counter
-    from framework.preflight.perf import count_replica
+    from framework.preflight.replica import count_replica
     from framework.preflight.simulate import whole_step
 
     cfg, batch = composed_tiny()
@@ -52,7 +53,7 @@ def test_the_count_on_fake_tensors_is_the_count_on_real_tensors():
     """`fw plan` counts a replica's step on fake tensors; what it finds (FLOPs, the bytes the
     other operations touch, the operations launched) is what the same step counts on real ones:
     the metadata queries only fake tensors dispatch (prim::device) are not operations."""
-    from framework.preflight.perf import count_replica, real_count
+    from framework.preflight.replica import count_replica, real_count
 
     cfg, batch = composed_tiny()
     fake = count_replica(cfg, batch)
@@ -396,7 +397,7 @@ def test_a_tensor_parallel_rank_touches_most_of_a_replicas_other_bytes():
     from framework.preflight.check import composed, first_batch
     from framework.preflight.counting import COLLECTIVES
     from framework.preflight.fakes import fake_world
-    from framework.preflight.perf import counting_mode
+    from framework.preflight.replica import counting_mode
 
     class Local(type(counting_mode())):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -435,7 +436,7 @@ def test_a_mixture_of_experts_too_large_to_count_is_estimated_from_its_active_pa
 
     from framework.config.compose import compose_config
     from framework.instantiate import build_task, instantiate_args
-    from framework.preflight.perf import active_parameters, count_replica
+    from framework.preflight.replica import active_parameters, count_replica
     from framework.runner import resolve
     from tests.hf_moe_tasks import qwen3_moe_config
     from tests.unit.test_hf_moe import Holder
@@ -472,7 +473,7 @@ def test_the_fused_attention_is_counted_apart_and_charged_at_its_measured_rate()
 
     from framework.instantiate import build_task
     from framework.perf import register_flop_formulas
-    from framework.preflight.perf import count_replica
+    from framework.preflight.replica import count_replica
     from framework.preflight.simulate import whole_step
 
     cfg, batch = composed_tiny()
@@ -501,7 +502,7 @@ def test_the_logged_values_and_the_optimizers_launches_are_counted_and_charged()
     import dataclasses
 
     from framework.instantiate import build_task
-    from framework.preflight.perf import count_optimizer_step, count_replica, counting_mode
+    from framework.preflight.replica import count_optimizer_step, count_replica, counting_mode
     from framework.preflight.simulate import optimizer_of, whole_step
 
     cfg, batch = composed_tiny()
