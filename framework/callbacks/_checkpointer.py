@@ -144,7 +144,7 @@ class Checkpointer(pl.Callback):
         self.cursor += per_rank * self.ctx.data_parallel[1]
         step = trainer.global_step
         self.announce(trainer)  # the previous step's checkpoint, with its validation's metrics
-        # a SIGTERM before on_train_start reached Lightning's handler (framework/step_sync.py)
+        # a SIGTERM before on_train_start reached Lightning's handler (_vote.vote_on_sigterm)
         local = self.signal_received or (signal.SIGTERM if trainer.received_sigterm else 0)
         preempt = self.cfg.on_preemption and self._vote.agreed(local)
         due = self.cfg.every_n_steps is not None and step % self.cfg.every_n_steps == 0
