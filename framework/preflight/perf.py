@@ -8,7 +8,8 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   a FLOP formula (norms, activations, residual adds, casts) read and write over the memory
   bandwidth; on a device that launches
   work ahead of the host (a GPU) the host's launch cost per operation only matters when it is
-  the longer of the two, on the CPU it adds. The FLOPs and bytes are counted (framework/preflight/replica.py), once per plan,
+  the longer of the two, on the CPU it adds. The FLOPs and bytes are counted
+  (framework/preflight/replica.py), once per plan,
   on one whole replica's step on the per-rank batch with fake tensors, with the counter
   `callbacks.throughput` uses (`framework.perf.flop_counter`'s formulas); a rank computes 1/(tp
   x pp) of the FLOPs (tensor parallel splits every matmul, a pipeline the layers) and of the
@@ -45,7 +46,8 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   backward counts times the microbatches, the optimizer step's once; the slowest simulated
   rank's sum; plus the training loop's own work once per optimizer step (`step`: Lightning's
   loop around a step, measured by `fw calibrate` as a Trainer's step of a small model less
-  the same step written plainly). On the CPU the host is the device: the term adds. On a GPU the host runs ahead
+  the same step written plainly). On the CPU the host is the device: the term adds. On a GPU
+  the host runs ahead
   of the kernels, so only what the host's work (launches and this) takes beyond the device's
   busy time is added.
 """
