@@ -7,12 +7,13 @@ worker of an N-process job gets (framework/worker.py: the cores shared out). Mea
 time in every process, as the job's ranks compete for the cores: matmul FLOP/s by dtype, the
 memory bandwidth of a large copy, the host cost of one small operation, fused attention's
 FLOP/s by dtype (forward and backward; on this CPU it runs well below the matmuls'); then the
-all-reduce time by message size, from which the latency (the small messages) and the bus
-bandwidth (the largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken;
-then the host's cost of an operation on DTensors and of one FSDP2 unit's hooks per step, from a small model's
-step run plain, tensor parallel and under FSDP2 (`host_costs`). Each figure is the median of
-its repeats (`typical_time`; the rates over windows of about 0.1 s, `time_per_call`), as a
-measured step is the median of its windows. The figures are the rates a step meets on this
+all-reduce time by message size (each call after a layer's worth of compute where the
+processes have a core each, `allreduce_times`), from which the latency (the small messages) and
+the bus bandwidth (the largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are
+taken; then the host's cost of an operation on DTensors and of one FSDP2 unit's hooks per step,
+from a small model's step run plain, tensor parallel and under FSDP2 (`host_costs`). Each
+figure but the all-reduce's is the median of its repeats (`typical_time`; the rates over
+windows of about 0.1 s, `time_per_call`), as a measured step is the median of its windows. The figures are the rates a step meets on this
 machine, so the efficiency is 1. Communication and compute share the CPU's cores, so no traffic
 is taken to hide behind compute (overlap 0).
 """
@@ -33,6 +34,7 @@ MATMUL = 512  # square matmuls of this size: a small transformer's per-rank shap
 SIZES = [2**k for k in range(10, 25, 2)]  # all-reduce bytes: 1 KiB .. 16 MiB
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTION = (4, 4, 256, 32)  # batch, heads, sequence, head width: the attention probe's q, k, v
+GAP_S = 0.003  # matmuls before each timed all-reduce: a layer's compute between collectives
 
 
 def calibrate_command(args: list[str]) -> int:
@@ -260,18 +262,48 @@ def trainer_step_s(torch, steps: int = 60) -> float:
 
 
 def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
-    """The median and the fastest time of one all-reduce, by message bytes."""
+    """The typical and the fastest time of one all-reduce, by message bytes.
+
+    Where every process has a core, each call follows `GAP_S` of matmuls in every process, as a
+    step's collectives come between its layers' compute: timed back to back they run warm,
+    while after compute a rank often waits for its peer to be scheduled again, its core idle
+    (here a 512 KiB all-reduce's median went from 1.0 to 2.0 ms). The waits' tail is long (a
+    tenth of them 3-6 ms) and a step adds up many, so their mean is the typical time: 24 calls.
+
+    Where the processes outnumber the cores, a rank that waits gives its core to another rank's
+    compute, which the compute rates (measured in all processes at once) already count: runs
+    of 4 calls back to back, their median. (After compute, 4 processes on 2 cores waited 10 ms
+    a call, against 4-7 ms back to back, and with it the plan overestimated every layout at 4
+    processes by 3-90%.)"""
+    shared = dist.get_world_size() > (os.cpu_count() or 1)
+    a = torch.randn(MATMUL // 2, MATMUL // 2)
+    started = time.perf_counter()
+    a @ a
+    rounds = torch.tensor(max(1, round(GAP_S / max(time.perf_counter() - started, 1e-6))))
+    dist.broadcast(rounds, 0)  # the same work in every process: a skew of its own would wait
     typical, fastest = {}, {}
     for size in SIZES:
         x = torch.ones(size // 4)
-
-        def run(x=x):
-            for _ in range(4):
-                dist.all_reduce(x)
-
+        dist.all_reduce(x)  # warm-up
         dist.barrier()
-        times = times_of(run, repeats=9)
-        typical[size], fastest[size] = statistics.median(times) / 4, min(times) / 4
+        if shared:
+
+            def run(x=x):
+                for _ in range(4):
+                    dist.all_reduce(x)
+
+            times = [t / 4 for t in times_of(run, repeats=9)]
+            typical[size] = statistics.median(times)
+        else:
+            times = []
+            for _ in range(24):
+                for _ in range(int(rounds)):
+                    a @ a
+                started = time.perf_counter()
+                dist.all_reduce(x)
+                times.append(time.perf_counter() - started)
+            typical[size] = statistics.mean(times)
+        fastest[size] = min(times)
     return typical, fastest
 
 
@@ -288,7 +320,7 @@ def measure(out: str) -> None:
     dist.barrier()
     local = compute_rates(torch, dist.barrier)
     times, fastest = allreduce_times(torch, dist)
-    # a few KiB: latency only (the median of those sizes, each a median)
+    # a few KiB: latency only (the median of those sizes' typical times)
     latency = statistics.median(t for size, t in times.items() if size <= 2**14)
     local["host"] = host_costs(torch, n, latency)
     gathered = [None] * n

@@ -15,19 +15,23 @@ def host_counting():
     """A dispatch mode that counts, on a simulated rank, what costs the host time per call:
     `ops` on plain tensors, `dtensor_ops` (an operation with a DTensor argument: DTensor's own
     dispatch, sharding propagation and the local operation) and `collectives` issued (process
-    group calls and functional collectives, their waits and autograd wrappers aside). Operations a DTensor runs on its
-    local shards inside its dispatch are not seen again: its one call is counted."""
+    group calls and functional collectives, their waits and autograd wrappers aside), of which
+    `reductions` are reduce-scatters (a pipeline's FSDP2 stage reduces its gradients once per
+    step, after the last microbatch, not in each). Operations a DTensor runs on its local
+    shards inside its dispatch are not seen again: its one call is counted."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class HostCounting(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.ops = self.dtensor_ops = self.collectives = 0
+            self.ops = self.dtensor_ops = self.collectives = self.reductions = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace in COLLECTIVES:
-                self.collectives += func._overloadpacket.__name__ not in NOT_COLLECTIVES
+                name = func._overloadpacket.__name__
+                self.collectives += name not in NOT_COLLECTIVES
+                self.reductions += "reduce_scatter" in name
             elif any(issubclass(t, DTensor) for t in types):
                 self.dtensor_ops += 1
             else:
@@ -36,7 +40,7 @@ def host_counting():
 
         def counts(self) -> dict[str, int]:
             return {"ops": self.ops, "dtensor_ops": self.dtensor_ops,
-                    "collectives": self.collectives}  # fmt: skip
+                    "collectives": self.collectives, "reductions": self.reductions}  # fmt: skip
 
     return HostCounting()
 

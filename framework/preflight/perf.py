@@ -43,7 +43,10 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   beyond 4 per layer), and FSDP2 units (each one's hooks and copies per step). Each count
   times its per-unit
   cost (`Device.host`: measured by `fw calibrate`, small defaults for GPUs); forward and
-  backward counts times the microbatches, the optimizer step's once; the slowest simulated
+  backward counts times the microbatches, the optimizer step's once, and a pipeline's FSDP2
+  reduce-scatters once (torch's schedule reduces the gradients after the last microbatch:
+  at pp 2 x fsdp 2 with 4 microbatches a step issues 10 all-gathers and 2 reduce-scatters,
+  where 4 microbatches of the simulated one are 16 and 8); the slowest simulated
   rank's sum; plus the training loop's own work once per optimizer step (`step`: Lightning's
   loop around a step, measured by `fw calibrate` as a Trainer's step of a small model less
   the same step written plainly). On the CPU the host is the device: the term adds. On a GPU
@@ -178,7 +181,8 @@ def charged_collectives(layout: dict[str, Any]) -> int:
 def host_work_s(layout: dict[str, Any], device: Device) -> float:
     """Seconds of the host's per-call work on the slowest simulated rank (`host_counts`, one
     record per rank: forward and backward of one microbatch, `optimizer_*` for the step, and
-    `fsdp_units`, whose hooks run each microbatch): DTensor dispatches, the collectives beyond
+    `fsdp_units`, whose hooks run each microbatch; the `reductions` among its collectives run
+    once per step): DTensor dispatches, the collectives beyond
     those already charged and FSDP2 units, each at its cost (`Device.host`); and the training
     loop's own work per optimizer step (`step`)."""
     micro = layout["microbatches"]
@@ -187,7 +191,11 @@ def host_work_s(layout: dict[str, Any], device: Device) -> float:
     slowest = 0.0
     for counts in layout.get("host_counts", []):
         dtensors = counts["dtensor_ops"] * micro + counts["optimizer_dtensor_ops"]
-        issued = counts["collectives"] * micro + counts["optimizer_collectives"]
+        # a microbatch's collectives in each, its reduce-scatters once: a pipeline's FSDP2
+        # stage reduces its gradients after the last microbatch (there is no other layout
+        # with microbatches)
+        once = counts.get("reductions", 0)
+        issued = (counts["collectives"] - once) * micro + once + counts["optimizer_collectives"]
         seconds = (
             dtensors * cost["dtensor_op"]
             + max(0, issued - charged) * cost["collective"]

@@ -307,6 +307,10 @@ def test_the_host_term_is_each_count_times_its_cost_on_the_cpu():
     slower = {**HOST, "optimizer_dtensor_ops": 1200}  # the slowest simulated rank counts
     both = predict(WORK, {**facts, "host_counts": [HOST, slower]}, with_host(CPU, 1e-4, 1e-3))
     assert both.host_s == pytest.approx(once.host_s + 1000 * 1e-4)
+    # a pipeline's FSDP2 stage reduce-scatters its gradients once, after the last microbatch
+    reduced = predict(WORK, {**facts, "host_counts": [{**HOST, "reductions": 3}]},
+                      with_host(CPU, 1e-4, 1e-3))  # fmt: skip
+    assert reduced.host_s == pytest.approx(once.host_s - 3 * (4 - 1) * 1e-3)
 
 
 def test_on_a_gpu_the_host_term_is_what_outlasts_the_kernels():
@@ -344,6 +348,7 @@ def test_fsdp_steps_the_optimizer_on_dtensors_op_for_op_as_a_replica_on_tensors(
     # gpt_tiny: 2 blocks and the root are units; each all-gathers its parameters in forward
     # and again in backward, and reduce-scatters its gradients
     assert fsdp["fsdp_units"] == 3 and fsdp["collectives"] == 3 * 2 + 3
+    assert fsdp["reductions"] == 3 and ddp["reductions"] == 0
 
 
 def test_the_expert_layers_calls_are_counted_on_real_tensors():
