@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from framework.nn.hf import no_split_classes
+from framework.nn.hf import models, no_split_classes
 
 log = logging.getLogger("framework.nn")
 
@@ -67,6 +67,16 @@ def _selective_policy():
     return policy
 
 
+def keep_no_cache(task: nn.Module) -> None:
+    """The task's transformers models keep no key/value cache in training (`use_cache` off in
+    their config, as transformers' own checkpointing does): a recomputed layer would add its
+    keys and values to the cache its forward already filled, attend over twice the keys, and
+    under selective checkpointing fail, its operations no longer those of the forward."""
+    for _, model in models(task):
+        if getattr(model.config, "use_cache", False):
+            model.config.use_cache = False
+
+
 def checkpoint_block(block: nn.Module, mode: str) -> None:
     """Recompute the block's activations in backward (`block.forward` may already be compiled:
     the checkpoint stays outside the compiled code, which works also with DTensor blocks)."""
@@ -98,6 +108,8 @@ class ModelTransforms:
         if self.activation_checkpointing == "none" and not self.compile:
             return 0
         found = blocks(task)
+        if self.activation_checkpointing != "none":
+            keep_no_cache(task)
         for block in found:
             if self.compile:
                 block.forward = torch.compile(block.forward)

@@ -10,7 +10,7 @@ from torch import nn
 
 from framework.errors import ConfigError
 from framework.nn.plan import hf_plan
-from framework.nn.transforms import blocks
+from framework.nn.transforms import ModelTransforms, blocks
 from framework.parallel.fsdp import units
 
 transformers = pytest.importorskip("transformers")
@@ -129,3 +129,21 @@ def test_fsdp_and_checkpointing_units_are_the_no_split_blocks_not_every_module_l
 
 def names(modules: list[nn.Module]) -> list[str]:
     return [type(m).__name__ for m in modules]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_checkpointed_llama_gives_the_gradients_of_the_plain_one(mode):
+    """A recomputed decoder layer must not add its keys and values to the cache its forward
+    filled (transformers keeps one by default): selective checkpointing then failed in the first
+    backward, its recompute running other operations than the forward."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for transform in (None, ModelTransforms(mode)):
+        task = llama()
+        assert task.lm.config.use_cache  # transformers' default
+        if transform is not None:
+            assert transform.apply(task) == 2
+        task.lm(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad for p in task.parameters()])
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(checkpointed, plain)
