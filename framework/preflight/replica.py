@@ -106,9 +106,12 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
             how = "fake tensors"
             stepped = count_optimizer_step(task, str(cfg.trainer.get("accelerator")) != "cpu")
         except fakes.data_dependent():
-            stepped = 0
             n = sum(p.numel() for p in task.parameters())
-            counter, how = real_count(cfg, batch, synced) if n <= max_real_params else (None, "")
+            found = [0]  # the optimizer's launches, counted on the real task
+            counter, how = (None, "")
+            if n <= max_real_params:
+                counter, how = real_count(cfg, batch, synced, found)
+            stepped = found[0]
             if counter is None:
                 active = active_parameters(task)
                 return Work(6.0 * active * max(tokens, rows) * accumulate, 0.0, 0,
@@ -132,8 +135,8 @@ def count_optimizer_step(task, cuda: bool) -> int:
     gradients in place from the counted backward), as torch runs it on the job's device: a
     loop over the parameters on the CPU (about 9 per parameter for AdamW: 264 for the
     benchmarks' small GPT, 28 parameters, most of its 1.24 ms step here), the foreach form on
-    CUDA, a few for all of them (simulate.optimizer_of). 0: not counted (also for a model
-    counted on real tensors). Its bytes are not taken from the count: a step reads and writes
+    CUDA, a few for all of them (simulate.optimizer_of); a model counted on real tensors
+    steps on them. 0: not counted. Its bytes are not taken from the count: a step reads and writes
     each parameter's bytes about 20 times (37 MB for that GPT), but a small model's states
     stay in the caches, where 37 MB at the copy rate would take twice the whole step."""
     from framework.preflight import simulate as sim
@@ -204,9 +207,10 @@ def active_parameters(task) -> float:
     return total - idle
 
 
-def real_count(cfg, batch, synced: list[int] | None = None):
+def real_count(cfg, batch, synced: list[int] | None = None, stepped: list[int] | None = None):
     """The count on real tensors (a small model whose step depends on its data); the values it
-    logs with sync_dist in `synced` (count_synced_logs), when given."""
+    logs with sync_dist in `synced` (count_synced_logs) and its optimizer's launches in `stepped`
+    (count_optimizer_step), when given."""
     import torch
 
     from framework.instantiate import build_task
@@ -220,4 +224,6 @@ def real_count(cfg, batch, synced: list[int] | None = None):
         sim.whole_step(task, batch, False)()
     if synced is not None:
         synced[:] = found
+    if stepped is not None:
+        stepped[:] = [count_optimizer_step(task, str(cfg.trainer.get("accelerator")) != "cpu")]
     return counter, "real tensors (data-dependent shapes)"

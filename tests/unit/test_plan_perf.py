@@ -532,3 +532,22 @@ def test_the_logged_values_and_the_optimizers_launches_are_counted_and_charged()
     assert both.optimizer_s - neither.optimizer_s == pytest.approx(work.optimizer_ops * 1e-5)
     alone = predict(work, layout(world_size=1), device)  # one process reduces nothing
     assert alone.comm_s == neither.comm_s
+
+
+def test_a_model_counted_on_real_tensors_has_its_optimizers_launches_counted():
+    """moe_gpt's routed experts have data-dependent shapes: its step is counted on real
+    tensors, and its optimizer's launches on that real task (about 9 per parameter for torch's
+    AdamW on the CPU), not left at 0."""
+    from framework.config.compose import compose_config
+    from framework.instantiate import build_task, instantiate_args
+    from framework.preflight.replica import count_replica
+    from framework.runner import resolve
+
+    cfg = compose_config(["experiment=moe_gpt_tiny", "trainer.accelerator=cpu"])
+    resolve(cfg)
+    data = instantiate_args(cfg.task.data)
+    data.setup("fit")
+    work = count_replica(cfg, next(iter(data.train_dataloader())))
+    assert work.counted.startswith("real tensors")
+    tensors = len(list(build_task(cfg.task).parameters()))
+    assert work.optimizer_ops >= 8 * tensors
