@@ -59,7 +59,10 @@ def count(shape: dict, batch: int, checkpointing: str) -> tuple[Work, int]:
     from framework.preflight.fakes import fake_mode
 
     config = LlamaConfig(
-        vocab_size=128256, max_position_embeddings=SEQ, rope_theta=500000.0, use_cache=False,
+        vocab_size=128256,
+        max_position_embeddings=SEQ,
+        rope_theta=500000.0,
+        use_cache=False,
         **shape,
     )  # no key/value cache in training (framework/nn/transforms.py's keep_no_cache)
     config._attn_implementation = "sdpa"

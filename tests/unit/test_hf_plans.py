@@ -145,5 +145,5 @@ def test_a_checkpointed_llama_gives_the_gradients_of_the_plain_one(mode):
             assert transform.apply(task) == 2
         task.lm(input_ids=ids, labels=ids).loss.backward()
         grads.append([p.grad for p in task.parameters()])
-    for plain, checkpointed in zip(*grads):
+    for plain, checkpointed in zip(*grads, strict=True):
         torch.testing.assert_close(checkpointed, plain)
