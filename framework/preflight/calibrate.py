@@ -13,9 +13,9 @@ the bus bandwidth (the largest: 2 (N-1)/N x bytes / time, the volume a ring move
 taken; then the host's cost of an operation on DTensors and of one FSDP2 unit's hooks per step,
 from a small model's step run plain, tensor parallel and under FSDP2 (`host_costs`). Each
 figure but the all-reduce's is the median of its repeats (`typical_time`; the rates over
-windows of about 0.1 s, `time_per_call`), as a measured step is the median of its windows. The figures are the rates a step meets on this
-machine, so the efficiency is 1. Communication and compute share the CPU's cores, so no traffic
-is taken to hide behind compute (overlap 0).
+windows of about 0.1 s, `time_per_call`), as a measured step is the median of its windows.
+The figures are the rates a step meets on this machine, so the efficiency is 1. Communication
+and compute share the CPU's cores, so no traffic is taken to hide behind compute (overlap 0).
 """
 
 from __future__ import annotations
@@ -276,12 +276,13 @@ def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
     processes on 2 cores a call after compute waited 10 ms, the median run's 4-7 ms, the
     fastest run's about 4.5; with the median the plan overestimated the layouts with many
     collectives by 30-60%, with the fastest the 8 measured ones are within 0.77-1.20.)"""
-    shared = dist.get_world_size() > (os.cpu_count() or 1)
+    shared = dist.get_world_size() > (os.cpu_count() or 1)  # the same in every process
     a = torch.randn(MATMUL // 2, MATMUL // 2)
-    started = time.perf_counter()
-    a @ a
-    rounds = torch.tensor(max(1, round(GAP_S / max(time.perf_counter() - started, 1e-6))))
-    dist.broadcast(rounds, 0)  # the same work in every process: a skew of its own would wait
+    if not shared:
+        started = time.perf_counter()
+        a @ a
+        rounds = torch.tensor(max(1, round(GAP_S / max(time.perf_counter() - started, 1e-6))))
+        dist.broadcast(rounds, 0)  # the same work in every process: a skew of its own waits
     typical, fastest = {}, {}
     for size in SIZES:
         x = torch.ones(size // 4)

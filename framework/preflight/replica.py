@@ -136,9 +136,9 @@ def count_optimizer_step(task, cuda: bool) -> int:
     loop over the parameters on the CPU (about 9 per parameter for AdamW: 264 for the
     benchmarks' small GPT, 28 parameters, most of its 1.24 ms step here), the foreach form on
     CUDA, a few for all of them (simulate.optimizer_of); a model counted on real tensors
-    steps on them. 0: not counted. Its bytes are not taken from the count: a step reads and writes
-    each parameter's bytes about 20 times (37 MB for that GPT), but a small model's states
-    stay in the caches, where 37 MB at the copy rate would take twice the whole step."""
+    steps on them. 0: not counted. Its bytes are not taken from the count: a step reads and
+    writes each parameter's bytes about 20 times (37 MB for that GPT), but a small model's
+    states stay in the caches, where 37 MB at the copy rate would take twice the whole step."""
     from framework.preflight import simulate as sim
 
     try:
