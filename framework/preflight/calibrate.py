@@ -2,20 +2,19 @@
 --hardware FILE` reads (framework/preflight/hardware.py's Device, marked as a calibration).
 
 N processes (2 by default) are started with torch's launcher (`torch.distributed.run`, as
-torchrun), on the backend `fw train` would use here (gloo on the CPU), each with the threads a
-worker of an N-process job gets (framework/worker.py: the cores shared out). Measured at the same
-time in every process, as the job's ranks compete for the cores: matmul FLOP/s by dtype, the
-memory bandwidth of a large copy, the host cost of one small operation, fused attention's
-FLOP/s by dtype (forward and backward; on this CPU it runs well below the matmuls'); then the
-all-reduce time by message size (each call after a layer's worth of compute where the
-processes have a core each, `allreduce_times`), from which the latency (the small messages) and
-the bus bandwidth (the largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are
-taken; then the host's cost of an operation on DTensors and of one FSDP2 unit's hooks per step,
-from a small model's step run plain, tensor parallel and under FSDP2 (`host_costs`). Each
-figure but the all-reduce's is the median of its repeats (`typical_time`; the rates over
-windows of about 0.1 s, `time_per_call`), as a measured step is the median of its windows.
-The figures are the rates a step meets on this machine, so the efficiency is 1. Communication
-and compute share the CPU's cores, so no traffic is taken to hide behind compute (overlap 0).
+torchrun), on the backend `fw train` would use here (gloo on the CPU), each with the threads and
+the allocator settings a worker of an N-process job gets (framework/worker.py: the cores shared
+out; framework/allocator.py: freed memory kept for the next step). Measured at the same time in
+every process, as the job's ranks compete for the cores: the compute rates
+(framework/preflight/rates.py); the all-reduce time by message size after a layer's worth of
+compute (`allreduce_times`), from which the latency (the small messages) and the bus bandwidth
+(the largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; the wait of
+a blocking collective after a short and a long stretch of compute, issued through c10d and as a
+functional collective (`waits_after_compute`); the host's cost of an operation on DTensors and
+of one FSDP2 unit's hooks per step, from a small model's step run plain, tensor parallel and
+under FSDP2 (`host_costs`); and the training loop's own work per step (`trainer_step_s`). The
+figures are the rates a step meets on this machine, so the efficiency is 1. Communication and
+compute share the CPU's cores, so no traffic is taken to hide behind compute (overlap 0).
 """
 
 from __future__ import annotations
@@ -29,12 +28,13 @@ import time
 from pathlib import Path
 
 from framework.errors import ConfigError
+from framework.preflight.hardware import CALIBRATED_GAP_S
+from framework.preflight.rates import MATMUL, compute_rates, times_of, typical_time
 
-MATMUL = 512  # square matmuls of this size: a small transformer's per-rank shapes
 SIZES = [2**k for k in range(10, 25, 2)]  # all-reduce bytes: 1 KiB .. 16 MiB
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-ATTENTION = (4, 4, 256, 32)  # batch, heads, sequence, head width: the attention probe's q, k, v
-GAP_S = 0.003  # matmuls before each timed all-reduce: a layer's compute between collectives
+# compute between two blocking collectives (seconds) -> calls timed: a tensor-parallel layer's
+# and a whole forward's
+WAIT_GAPS_S = {0.002: 120, 0.02: 40}
 
 
 def calibrate_command(args: list[str]) -> int:
@@ -64,82 +64,6 @@ def calibrate_command(args: list[str]) -> int:
     return 0
 
 
-def times_of(run, repeats: int = 5) -> list[float]:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return times
-
-
-def typical_time(run, repeats: int = 5) -> float:
-    """The median time of `run` after a warm-up. A measured step is the median of its windows
-    (framework/preflight/measure.py), so its parts are priced at their median too, not at the
-    fastest of the repeats: between processes sharing cores a collective waits for its peer
-    to be scheduled, and the luckiest repeat hides that (both are kept for the all-reduce)."""
-    return statistics.median(times_of(run, repeats))
-
-
-def time_per_call(call, window_s: float = 0.1, repeats: int = 7) -> float:
-    """Seconds per `call`, the median of `repeats` windows of about `window_s` each (as many
-    calls as fill one, from a timed first call): a window spans many scheduling slices, not
-    the one or two of a few milliseconds' work."""
-    started = time.perf_counter()
-    call()
-    calls = max(1, round(window_s / max(time.perf_counter() - started, 1e-9)))
-    return typical_time(lambda: [call() for _ in range(calls)], repeats) / calls
-
-
-def compute_rates(torch, together) -> dict:
-    """Matmul TFLOP/s by dtype, a large copy's GB/s and a small operation's seconds, each
-    started in every process at once (`together`: a barrier), as a job's ranks compete."""
-    rates = {}
-    for name, dtype in DTYPES.items():
-        a = torch.randn(MATMUL, MATMUL, dtype=getattr(torch, dtype))
-        b = torch.randn(MATMUL, MATMUL, dtype=getattr(torch, dtype))
-        together()
-        seconds = time_per_call(lambda a=a, b=b: a @ b)
-        rates[name] = 2 * MATMUL**3 / seconds / 1e12
-    big = torch.ones(2**24)  # 64 MiB: past the caches
-    copy = torch.empty_like(big)
-    together()
-    seconds = time_per_call(lambda: copy.copy_(big))
-    small = torch.ones(8)
-    together()
-    ops = time_per_call(lambda: small.add(1))
-    attention = {name: attention_rate(torch, dtype, together) for name, dtype in DTYPES.items()}
-    return {
-        "tflops": rates,
-        "attention_tflops": attention,
-        "copy_gb_per_s": 2 * big.numel() * 4 / seconds / 1e9,
-        "op_s": ops,
-    }
-
-
-def attention_rate(torch, dtype: str, together) -> float:
-    """TFLOP/s of causal fused attention, forward and backward (ATTENTION's shape), its FLOPs
-    counted as `fw plan` counts a step's (framework.preflight.replica.counting_mode)."""
-    from framework.preflight.replica import counting_mode
-
-    torch.manual_seed(0)
-    q, k, v = (
-        torch.randn(*ATTENTION, dtype=getattr(torch, dtype), requires_grad=True) for _ in range(3)
-    )
-
-    def run():
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.sum().backward()
-        q.grad = k.grad = v.grad = None
-
-    counter = counting_mode()
-    with counter:
-        run()
-    together()
-    return counter.attention_flops / time_per_call(run) / 1e12
-
-
 def probe_model(torch):
     """Two small MLP blocks: the host's work dominates their step (the host-cost probes)."""
     from torch import nn
@@ -164,29 +88,32 @@ def probe_step(torch, model):
     return run
 
 
-def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
+def host_costs(torch, latency_s: float) -> dict[str, float]:
     """The host's cost per call of what a layout adds (framework/preflight/perf.py's host
     term), from the step of a small model measured three ways and counted with the counter `fw
     plan` counts with: plain; tensor parallel (column- then row-wise linears): (its time - the
     plain one's) per operation on DTensors; FSDP2 (each linear a unit, and the root): (its time
     - the plain one's - its DTensor operations at that cost) per unit, the unit's hooks and
-    copies in and out. The parallel probes run on a one-process mesh in every process at once
-    (sharing the cores as a job does), so they time the host's work alone; over the N
-    processes' mesh, taking their collectives off at the median latency (about 2 ms here)
-    left FSDP2's unit below zero. Collectives a probe still issues are taken off at the
-    latency. A collective the communication term does not list costs the latency."""
-    from torch.distributed.device_mesh import init_device_mesh
+    copies in and out. The parallel probes run on torch's `fake` process group of the job's
+    size, each process its own rank, in every process at once (sharing the cores as a job
+    does): their collectives are issued as over the real group (DTensor's redistributions,
+    the functional collectives' wrapping) and return at once, so the probes time the host's
+    work alone, the waits measured apart (`waits_after_compute`). On a mesh of one process
+    DTensor skips its redistributions: 15 us an operation here against 21 us over two. A
+    collective the communication term does not list costs the latency."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401 - the "fake" backend
 
     from framework.preflight.counting import fsdp_units, host_counting
 
-    # every process's own one-process mesh (the second dimension), made by all of them together
-    mesh = init_device_mesh("cpu", (n, 1), mesh_dim_names=("job", "alone"))["alone"]
+    mesh = DeviceMesh.from_group(dist.new_group(backend="fake"), "cpu")  # made by all together
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "3": ColwiseParallel(),
             "5": RowwiseParallel()}  # fmt: skip
     tensor = parallelize_module(probe_model(torch), mesh, plan)
@@ -203,10 +130,9 @@ def host_costs(torch, n: int, latency_s: float) -> dict[str, float]:
         found[name] = (typical_time(lambda run=run: [run() for _ in range(10)]) / 10, counter)
     plain_s = found["plain"][0]
     seconds, counts = found["tensor"]
-    extra = seconds - plain_s - counts.collectives * latency_s
-    dtensor_op = max(0.0, extra / max(1, counts.dtensor_ops))
+    dtensor_op = max(0.0, (seconds - plain_s) / max(1, counts.dtensor_ops))
     seconds, counts = found["fsdp"]
-    extra = seconds - plain_s - counts.dtensor_ops * dtensor_op - counts.collectives * latency_s
+    extra = seconds - plain_s - counts.dtensor_ops * dtensor_op
     unit = max(0.0, extra / fsdp_units(sharded))
     step = max(0.0, trainer_step_s(torch) - plain_s)
     return {"dtensor_op": dtensor_op, "collective": latency_s, "fsdp_unit": unit, "step": step}
@@ -264,11 +190,13 @@ def trainer_step_s(torch, steps: int = 60) -> float:
 def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
     """The typical and the fastest time of one all-reduce, by message bytes.
 
-    Where every process has a core, each call follows `GAP_S` of matmuls in every process, as a
-    step's collectives come between its layers' compute: timed back to back they run warm,
-    while after compute a rank often waits for its peer to be scheduled again, its core idle
-    (here a 512 KiB all-reduce's median went from 1.0 to 2.0 ms). The waits' tail is long (a
-    tenth of them 3-6 ms) and a step adds up many, so their mean is the typical time: 24 calls.
+    Where every process has a core, each call follows `CALIBRATED_GAP_S` of matmuls in every
+    process, as a step's collectives come between its layers' compute: timed back to back they
+    run warm, while after compute a rank often waits for its peer to be scheduled again, its
+    core idle (here a 512 KiB all-reduce's median went from 1.0 to 2.0 ms). The waits' tail is
+    long (a tenth of them 3-6 ms, the fastest 0.2-0.4 ms up to 1 MiB) and a step adds up many,
+    so their mean is the typical time: of 48 calls up to 1 MiB (24 gave means 2x apart from one
+    calibration to the next), 24 above.
 
     Where the processes outnumber the cores, a rank that waits gives its core to another rank's
     compute, which the compute rates (measured in all processes at once) already count: the
@@ -281,7 +209,8 @@ def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
     if not shared:
         started = time.perf_counter()
         a @ a
-        rounds = torch.tensor(max(1, round(GAP_S / max(time.perf_counter() - started, 1e-6))))
+        took = max(time.perf_counter() - started, 1e-6)
+        rounds = torch.tensor(max(1, round(CALIBRATED_GAP_S / took)))
         dist.broadcast(rounds, 0)  # the same work in every process: a skew of its own waits
     typical, fastest = {}, {}
     for size in SIZES:
@@ -298,7 +227,7 @@ def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
             typical[size] = min(times)
         else:
             times = []
-            for _ in range(24):
+            for _ in range(48 if size <= 2**20 else 24):
                 for _ in range(int(rounds)):
                     a @ a
                 started = time.perf_counter()
@@ -309,61 +238,141 @@ def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
     return typical, fastest
 
 
+def waits_after_compute(torch, dist) -> dict[str, dict[str, float]]:
+    """The mean time of a blocking 1 KiB all-reduce after `WAIT_GAPS_S` of matmuls in every
+    process, by how it is issued: `c10d` (dist.all_reduce: DDP's buckets, FSDP2's and a
+    pipeline's collectives, the logged values) and `functional` (the functional collectives
+    DTensor issues under tensor and expert parallelism, waited on when the result is used),
+    each keyed by the gap in seconds. The longer a rank computes alone, the further its peer
+    drifts and the longer the wait (here about 1.3 ms after 2 ms, 2.2 ms after 20 ms), and a
+    functional collective's wait is longer again (its result comes back through another
+    thread). Empty where the processes outnumber the cores: a waiting rank's core then runs
+    another's compute (`allreduce_times`)."""
+    import torch.distributed._functional_collectives as functional
+
+    if dist.get_world_size() > (os.cpu_count() or 1):
+        return {}
+    a = torch.randn(MATMUL // 2, MATMUL // 2)
+    x = torch.ones(256)
+    started = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    each = torch.tensor((time.perf_counter() - started) / 10)
+    dist.broadcast(each, 0)  # the same work in every process
+    issue = {
+        "c10d": lambda: dist.all_reduce(x),
+        "functional": lambda: functional.wait_tensor(
+            functional.all_reduce(x, "sum", dist.group.WORLD)
+        ),
+    }
+    found: dict[str, dict[str, float]] = {}
+    for kind, call in issue.items():
+        call()  # warm-up
+        found[kind] = {}
+        for gap, calls in WAIT_GAPS_S.items():
+            rounds = max(1, round(gap / max(float(each), 1e-6)))
+            dist.barrier()
+            times = []
+            for _ in range(calls):
+                for _ in range(rounds):
+                    a @ a
+                started = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - started)
+            found[kind][str(gap)] = statistics.mean(times)
+    return found
+
+
 def measure(out: str) -> None:
     """One measuring process (started by torch's launcher); rank 0 writes `out`."""
     import torch
     import torch.distributed as dist
 
-    from framework.preflight.hardware import Device, Link, write_calibration
+    from framework import allocator
+    from framework.preflight.hardware import write_calibration
 
     n = int(os.environ["WORLD_SIZE"])
+    allocator.configure(allocator.mode_for("auto", on_cuda=False))  # as a CPU job's workers
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))  # as framework/worker.py
     dist.init_process_group("gloo")
     dist.barrier()
     local = compute_rates(torch, dist.barrier)
     times, fastest = allreduce_times(torch, dist)
-    # a few KiB: latency only (the median of those sizes' typical times)
-    latency = statistics.median(t for size, t in times.items() if size <= 2**14)
-    local["host"] = host_costs(torch, n, latency)
+    local["allreduce_s"], local["allreduce_fastest_s"] = times, fastest
+    local["waits"] = waits_after_compute(torch, dist)
+    local["host"] = host_costs(torch, latency_of(times))
     gathered = [None] * n
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
-        slowest = {k: min(g["tflops"][k] for g in gathered) for k in DTYPES}
-        attention = {k: min(g["attention_tflops"][k] for g in gathered) for k in DTYPES}
-        copy = min(g["copy_gb_per_s"] for g in gathered)
-        op = max(g["op_s"] for g in gathered)
-        host = {k: max(g["host"][k] for g in gathered) for k in gathered[0]["host"]}
-        largest = max(times)
-        bus = 2 * (n - 1) / n * largest / times[largest] / 1e9
-        link = Link("gloo over loopback", bus, host["collective"])  # the slowest rank's
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        device = Device(
-            name=f"this machine ({n} processes, {torch.get_num_threads()} threads each)",
-            tflops=slowest,
-            memory_gib=round(memory, 1),
-            hbm_gb_per_s=copy,
-            efficiency=1.0,
-            intra=link,
-            inter=link,
-            gpus_per_node=4096,  # one machine: every process on it
-            op_overhead_s=op,
-            overlap=0.0,
-            accelerator="cpu",
-            host=host,
-            attention_tflops=attention,
-            measured={
-                "processes": n,
-                "threads": torch.get_num_threads(),
-                "matmul_size": MATMUL,
-                "allreduce_s_by_bytes": {str(k): v for k, v in times.items()},
-                "allreduce_fastest_s_by_bytes": {str(k): v for k, v in fastest.items()},
-                "per_process": gathered,
-                "load_average": os.getloadavg()[0],
-            },
-        )
-        write_calibration(device, Path(out))
+        write_calibration(describe(gathered, torch.get_num_threads()), Path(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def latency_of(times: dict[int, float]) -> float:
+    """One collective's fixed cost: the mean time of the messages of a few KiB (up to 16)."""
+    return statistics.mean(t for size, t in times.items() if size <= 2**14)
+
+
+def describe(gathered: list[dict], threads: int):
+    """The Device the processes' figures (`gathered`, one dict each) describe: each rate the
+    slowest process's (the job waits for it), each collective's time the mean over the
+    processes (one waits while another arrives), each host cost the largest."""
+    from framework.preflight.hardware import Device, Link
+
+    n = len(gathered)
+
+    def slowest(key: str) -> dict:
+        return {k: min(g[key][k] for g in gathered) for k in gathered[0][key]}
+
+    def mean(values) -> float:
+        return statistics.mean(values)
+
+    rates = slowest("tflops")
+    # each size's share of the peak, the slowest process's rates both
+    shares = {k: min(g["matmul_share"][k] * g["tflops"]["fp32"] for g in gathered)
+              / rates["fp32"] for k in gathered[0]["matmul_share"]}  # fmt: skip
+    waits = {kind: {gap: mean(g["waits"][kind][gap] for g in gathered) for gap in by_gap}
+             for kind, by_gap in gathered[0]["waits"].items()}  # fmt: skip
+    times = {
+        size: mean(g["allreduce_s"][size] for g in gathered) for size in gathered[0]["allreduce_s"]
+    }
+    fastest = {size: min(g["allreduce_fastest_s"][size] for g in gathered) for size in times}
+    host = {k: max(g["host"][k] for g in gathered) for k in gathered[0]["host"]}
+    host["collective"] = latency_of(times)
+    largest = max(times)
+    bus = 2 * (n - 1) / n * largest / times[largest] / 1e9
+    link = Link(
+        "gloo over loopback", bus, host["collective"], {str(k): v for k, v in times.items()}
+    )
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return Device(
+        name=f"this machine ({n} processes, {threads} threads each)",
+        tflops=rates,
+        memory_gib=round(memory, 1),
+        hbm_gb_per_s=min(g["copy_gb_per_s"] for g in gathered),
+        efficiency=1.0,
+        intra=link,
+        inter=link,
+        gpus_per_node=4096,  # one machine: every process on it
+        op_overhead_s=max(g["op_s"] for g in gathered),
+        overlap=0.0,
+        accelerator="cpu",
+        host=host,
+        attention_tflops=slowest("attention_tflops"),
+        elementwise_gb_per_s=slowest("elementwise_gb_per_s"),
+        matmul_share=shares,
+        waits=waits,
+        measured={
+            "processes": n,
+            "threads": threads,
+            "matmul_size": MATMUL,
+            "allreduce_s_by_bytes": {str(k): v for k, v in times.items()},
+            "allreduce_fastest_s_by_bytes": {str(k): v for k, v in fastest.items()},
+            "per_process": gathered,
+            "load_average": os.getloadavg()[0],
+        },
+    )
 
 
 if __name__ == "__main__":

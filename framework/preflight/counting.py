@@ -16,7 +16,7 @@ def host_counting():
     `ops` on plain tensors, `dtensor_ops` (an operation with a DTensor argument: DTensor's own
     dispatch, sharding propagation and the local operation) and `collectives` issued (process
     group calls and functional collectives, their waits and autograd wrappers aside), of which
-    `reductions` are reduce-scatters (a pipeline's FSDP2 stage reduces its gradients once per
+    `functional` are functional collectives (DTensor's) and `reductions` are reduce-scatters (a pipeline's FSDP2 stage reduces its gradients once per
     step, after the last microbatch, not in each). Operations a DTensor runs on its local
     shards inside its dispatch are not seen again: its one call is counted."""
     from torch.distributed.tensor import DTensor
@@ -26,11 +26,14 @@ def host_counting():
         def __init__(self) -> None:
             super().__init__()
             self.ops = self.dtensor_ops = self.collectives = self.reductions = 0
+            self.functional = 0  # of the collectives, functional ones (DTensor's)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace in COLLECTIVES:
                 name = func._overloadpacket.__name__
-                self.collectives += name not in NOT_COLLECTIVES
+                sent = name not in NOT_COLLECTIVES
+                self.collectives += sent
+                self.functional += sent and func.namespace != "c10d"
                 self.reductions += "reduce_scatter" in name
             elif any(issubclass(t, DTensor) for t in types):
                 self.dtensor_ops += 1
@@ -40,7 +43,8 @@ def host_counting():
 
         def counts(self) -> dict[str, int]:
             return {"ops": self.ops, "dtensor_ops": self.dtensor_ops,
-                    "collectives": self.collectives, "reductions": self.reductions}  # fmt: skip
+                    "collectives": self.collectives, "reductions": self.reductions,
+                    "functional": self.functional}  # fmt: skip
 
     return HostCounting()
 

@@ -42,13 +42,16 @@ class, never per model or layout.
 
 from __future__ import annotations
 
+import itertools
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from framework.errors import ConfigError
 
 CALIBRATION_KIND = "fw-calibration"  # the marker a calibration file carries
+CALIBRATED_GAP_S = 0.003  # compute before each all-reduce fw calibrate times (a layer's)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class Link:
     name: str
     gb_per_s: float  # bandwidth, 1e9 bytes per second
     latency_s: float  # fixed cost of one collective over it
+    # measured (fw calibrate): seconds of one blocking all-reduce by its message's bytes (as
+    # text), as a step meets it; none: latency + bytes over bandwidth
+    allreduce_s: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,15 @@ class Device:
     host: dict = field(default_factory=dict)  # seconds per call: dtensor_op, collective, fsdp_unit
     # fused attention's TFLOP/s by dtype as measured (fw calibrate); none: the matmuls' rate
     attention_tflops: dict = field(default_factory=dict)
+    # the share of the peak matmuls reach by the FLOPs of one call, as measured on a
+    # transformer's linear layers (fw calibrate); none: `efficiency` at every size
+    matmul_share: dict = field(default_factory=dict)
+    # seconds a blocking collective waits by how it is issued (`c10d`, `functional`) and by
+    # the compute before it (seconds, as text), as measured (fw calibrate); none: the link's
+    waits: dict = field(default_factory=dict)
+    # GB/s of the operations without a FLOP formula (norms, activations, residual adds, the
+    # loss) by the bytes one of them moves, as measured (fw calibrate); none: hbm_gb_per_s
+    elementwise_gb_per_s: dict = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of the matmuls in `dtype` (fp32 math runs on tf32 tensor cores only when
@@ -90,6 +105,46 @@ class Device:
         """FLOP/s of the fused attention kernels in `dtype`: measured, else the matmuls'."""
         measured = self.attention_tflops.get(dtype) or self.attention_tflops.get("fp32")
         return measured * 1e12 if measured else self.peak(dtype) * self.efficiency
+
+    def matmul_efficiency(self, flops_per_call: float) -> float:
+        """The share of the peak a step's matmuls reach when each computes `flops_per_call`:
+        measured at several sizes (`matmul_share`, interpolated, `by_size`); else `efficiency`."""
+        return by_size(self.matmul_share, flops_per_call, self.efficiency)
+
+    def waited(self, link: Link, kind: str, gap_s: float) -> Link:
+        """`link` as one blocking collective issued as `kind` (`c10d`: DDP, FSDP2, the
+        pipeline's sends, logged values; `functional`: DTensor's, under tensor and expert
+        parallelism) meets it after `gap_s` of compute: where waits were measured, its latency
+        and its measured times moved by the wait's difference from the one after
+        `CALIBRATED_GAP_S` (when they were timed); else `link` as it is."""
+        if not self.waits.get(kind):
+            return link
+        shift = by_size(self.waits[kind], gap_s, 0.0) - by_size(
+            self.waits.get("c10d") or self.waits[kind], CALIBRATED_GAP_S, 0.0
+        )
+        times = {size: max(0.0, s + shift) for size, s in link.allreduce_s.items()}
+        return replace(link, latency_s=max(0.0, link.latency_s + shift), allreduce_s=times)
+
+    def elementwise_rate(self, bytes_per_op: float) -> float:
+        """Bytes per second that operations without a FLOP formula move when each moves
+        `bytes_per_op`: measured at several sizes (interpolated, `by_size`; on a CPU the rate
+        follows the caches a tensor fits in); else the memory bandwidth."""
+        return by_size(self.elementwise_gb_per_s, bytes_per_op, self.hbm_gb_per_s) * 1e9
+
+
+def by_size(measured: dict, size: float, default: float) -> float:
+    """The figure `measured` ({size: figure}, sizes as text in a calibration file) gives at
+    `size`: interpolated on a log scale of the size between the sizes measured, held at the
+    first and last; `default` when nothing was measured or the size is unknown (0)."""
+    points = sorted((float(at), figure) for at, figure in measured.items())
+    if not points or size <= 0:
+        return default
+    if size <= points[0][0]:
+        return points[0][1]
+    for (small, low), (large, high) in itertools.pairwise(points):
+        if size <= large:
+            return low + math.log(size / small) / math.log(large / small) * (high - low)
+    return points[-1][1]
 
 
 NVLINK3 = Link("NVLink 3", 300.0, 5e-6)

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 WINDOW = 5
-WINDOWS = 4  # the first is warm-up; the median of the other three is reported
+WINDOWS = 8  # the first is warm-up; the median of the other seven is reported (steps scatter by
+# +-30% on two shared cores: three windows of five left a layout's figure 10-15% off from run to run)
 
 
 def measure_command(overrides: list[str], world: list[str], run_dir: Path) -> list[str]:

@@ -5,8 +5,9 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
 - compute: the rank's FLOPs over (the matmul peak in the step's dtype x the device class's
   efficiency), those of the fused attention kernels over the attention rate the calibration
   measured (a device without one: the matmuls' rate), plus the bytes that operations without
-  a FLOP formula (norms, activations, residual adds, casts) read and write over the memory
-  bandwidth; on a device that launches
+  a FLOP formula (norms, activations, residual adds, casts) read and write, at the rate such
+  operations of that size reach (`Device.elementwise_rate`: measured by fw calibrate; a known
+  GPU, its memory bandwidth); on a device that launches
   work ahead of the host (a GPU) the host's launch cost per operation only matters when it is
   the longer of the two, on the CPU it adds. The FLOPs and bytes are counted
   (framework/preflight/replica.py), once per plan,
@@ -61,7 +62,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from framework.preflight.hardware import Device
+from framework.preflight.hardware import Device, Link, by_size
 from framework.preflight.replica import Work
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket; FSDP's units are of that order too
@@ -121,11 +122,15 @@ def matmul_dtype(precision: str) -> str:
     return "fp32"
 
 
-def collective_s(nbytes: float, count: int, ranks: int, link, latency_rounds: bool = True) -> float:
-    """Time of `count` collectives moving `nbytes` in all (ring volume, (N-1)/N applied)."""
+def collective_s(nbytes: float, count: int, ranks: int, link: Link) -> float:
+    """Time of `count` collectives moving `nbytes` in all: ring volume ((N-1)/N applied) over
+    the bandwidth and a latency per call and log2 N rounds; over a measured link, each call at
+    the time measured for its message's size (`Link.allreduce_s`, interpolated)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    rounds = max(1, math.ceil(math.log2(ranks))) if latency_rounds else 1
+    if link.allreduce_s:
+        return count * by_size(link.allreduce_s, nbytes / max(1, count), link.latency_s)
+    rounds = max(1, math.ceil(math.log2(ranks)))
     return nbytes * (ranks - 1) / ranks / (link.gb_per_s * 1e9) + count * rounds * link.latency_s
 
 
@@ -141,18 +146,28 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     # every tensor-parallel rank (a layout that does not say keeps the old split)
     spread = share if layout.get("sequence_parallel", True) else pp
     attention = work.attention_flops / share  # the heads split as the matmuls do
+    other = work.other_bytes / spread
+    # the size of one such operation: split as the bytes are, less the pipeline's share
+    each = other / (work.other_ops / pp) if work.other_ops else 0.0
+    # the size of one matmul: tensor parallel splits each, a pipeline takes its share of them
+    call = (work.flops - work.attention_flops) / tp / work.matmuls if work.matmuls else 0.0
     busy = (
-        (flops - attention) / (peak * device.efficiency)
+        (flops - attention) / (peak * device.matmul_efficiency(call))
         + attention / device.attention_rate(dtype)
-        + work.other_bytes / spread / (device.hbm_gb_per_s * 1e9)
+        + other / device.elementwise_rate(each)
     )
     launch = work.ops / pp * layout["microbatches"] * device.op_overhead_s  # per microbatch
     compute = max(busy, launch) if device.accelerator != "cpu" else busy + launch
     bubble = 0.0
     if pp > 1:
         bubble = compute * (pp - 1) / (layout["virtual_stages"] * layout["microbatches"])
-    comm = exposed_comm(layout, device, compute, work.synced_logs)
-    host = host_work_s(layout, device)
+    synced = work.synced_logs if layout.get("world_size", 1) > 1 else 0
+    # the compute between two of the rank's blocking collectives: the longer, the longer each
+    # waits for its peers (Device.wait_s; measured by fw calibrate, a known GPU's links' latency)
+    syncs = sum(charged_collectives(layout).values()) + sum(extra_collectives(layout).values())
+    gap = compute / max(1, syncs + synced)
+    comm = exposed_comm(layout, device, compute, synced, gap)
+    host = host_work_s(layout, device, gap)
     if device.accelerator != "cpu":  # the part of the host's work the kernels do not hide
         host = max(busy, launch + host) - compute
     states = layout["state_bytes"]
@@ -168,76 +183,109 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     )
 
 
-def charged_collectives(layout: dict[str, Any]) -> int:
-    """Collectives (and sends) the communication term already charges a latency for."""
+def charged_collectives(layout: dict[str, Any]) -> dict[str, int]:
+    """Collectives (and sends) the communication term already charges a latency for, by how
+    they are issued: `c10d` (data-parallel buckets, a pipeline's receives) and `functional`
+    (DTensor's, under tensor, expert and context parallelism)."""
     sizes, traffic = layout["group_sizes"], layout["traffic"]
-    found = math.ceil(traffic["data"] / BUCKET_BYTES) if sizes["data"] > 1 else 0
-    found += layout["tensor_collectives"] if sizes["tensor"] > 1 else 0
-    found += layout["expert_collectives"] if sizes["experts"] > 1 else 0
-    found += layout["pipeline_receives"] if traffic["pipeline"] else 0
-    return found + (layout.get("context_collectives", 0) if traffic.get("context") else 0)
+    c10d = math.ceil(traffic["data"] / BUCKET_BYTES) if sizes["data"] > 1 else 0
+    c10d += layout["pipeline_receives"] if traffic["pipeline"] else 0
+    functional = layout["tensor_collectives"] if sizes["tensor"] > 1 else 0
+    functional += layout["expert_collectives"] if sizes["experts"] > 1 else 0
+    functional += layout.get("context_collectives", 0) if traffic.get("context") else 0
+    return {"c10d": c10d, "functional": functional}
 
 
-def host_work_s(layout: dict[str, Any], device: Device) -> float:
+def issued_collectives(counts: dict[str, int], micro: int) -> dict[str, int]:
+    """The collectives one simulated rank's `counts` (a `host_counts` record) issue in a step,
+    by how they are issued: a microbatch's in each, its reduce-scatters once (a pipeline's FSDP2
+    stage reduces its gradients after the last microbatch; no other layout has microbatches)
+    and the optimizer step's once."""
+    once = counts.get("reductions", 0)
+    issued = (counts["collectives"] - once) * micro + once + counts["optimizer_collectives"]
+    functional = counts.get("functional", 0) * micro + counts.get("optimizer_functional", 0)
+    return {"c10d": issued - functional, "functional": functional}
+
+
+def extra_collectives(layout: dict[str, Any]) -> dict[str, int]:
+    """Collectives the slowest simulated rank issues beyond those charged, by how they are
+    issued (the host term charges them)."""
+    charged = charged_collectives(layout)
+    extra = {"c10d": 0, "functional": 0}
+    for counts in layout.get("host_counts", []):
+        issued = issued_collectives(counts, layout["microbatches"])
+        for kind in extra:
+            extra[kind] = max(extra[kind], issued[kind] - charged[kind])
+    return extra
+
+
+def host_work_s(layout: dict[str, Any], device: Device, gap_s: float = 0.0) -> float:
     """Seconds of the host's per-call work on the slowest simulated rank (`host_counts`, one
     record per rank: forward and backward of one microbatch, `optimizer_*` for the step, and
     `fsdp_units`, whose hooks run each microbatch; the `reductions` among its collectives run
-    once per step): DTensor dispatches, the collectives beyond
-    those already charged and FSDP2 units, each at its cost (`Device.host`); and the training
-    loop's own work per optimizer step (`step`)."""
+    once per step): DTensor dispatches, the collectives beyond those already charged (each
+    at the wait of its kind after `gap_s` of compute where the device measured one, else at
+    `collective`) and FSDP2 units, each at its cost (`Device.host`); and the training loop's
+    own work per optimizer step (`step`)."""
     micro = layout["microbatches"]
     cost = {"dtensor_op": 0.0, "collective": 0.0, "fsdp_unit": 0.0, "step": 0.0, **device.host}
     charged = charged_collectives(layout)
+    fixed = Link("host", 0.0, cost["collective"])
+    wait = {kind: device.waited(fixed, kind, gap_s).latency_s for kind in charged}
     slowest = 0.0
     for counts in layout.get("host_counts", []):
         dtensors = counts["dtensor_ops"] * micro + counts["optimizer_dtensor_ops"]
-        # a microbatch's collectives in each, its reduce-scatters once: a pipeline's FSDP2
-        # stage reduces its gradients after the last microbatch (there is no other layout
-        # with microbatches)
-        once = counts.get("reductions", 0)
-        issued = (counts["collectives"] - once) * micro + once + counts["optimizer_collectives"]
+        issued = issued_collectives(counts, micro)
         seconds = (
             dtensors * cost["dtensor_op"]
-            + max(0, issued - charged) * cost["collective"]
+            + sum(max(0, issued[k] - charged[k]) * wait[k] for k in wait)
             + counts.get("fsdp_units", 0) * micro * cost["fsdp_unit"]
         )
         slowest = max(slowest, seconds)
     return slowest + cost["step"]  # the training loop's own work, once per optimizer step
 
 
-def link_of(group: str, layout: dict[str, Any], device: Device):
-    """The link the group's traffic crosses: within a node unless the group spans nodes."""
-    return device.inter if layout["spans_nodes"][group] else device.intra
+FUNCTIONAL_GROUPS = ("tensor", "experts", "context")  # their collectives are DTensor's
+
+
+def link_of(group: str, layout: dict[str, Any], device: Device, gap_s: float = 0.0) -> Link:
+    """The link the group's traffic crosses (within a node unless the group spans nodes), as
+    one of its blocking collectives meets it after `gap_s` of compute (`Device.waited`)."""
+    link = device.inter if layout["spans_nodes"][group] else device.intra
+    return device.waited(link, "functional" if group in FUNCTIONAL_GROUPS else "c10d", gap_s)
 
 
 def exposed_comm(
-    layout: dict[str, Any], device: Device, compute_s: float, synced: int = 0
+    layout: dict[str, Any], device: Device, compute_s: float, synced: int = 0, gap_s: float = 0.0
 ) -> float:
+    """Seconds of the step's communication that compute does not hide (the module's docstring),
+    each blocking collective at its wait after `gap_s` of compute."""
     traffic, sizes = layout["traffic"], layout["group_sizes"]
     data = traffic["data"]
     buckets = max(1, math.ceil(data / BUCKET_BYTES))
-    data_s = collective_s(data, buckets, sizes["data"], link_of("data", layout, device))
+    data_s = collective_s(data, buckets, sizes["data"], link_of("data", layout, device, gap_s))
     hidden = min(data_s - data_s / buckets, device.overlap * compute_s)
     blocking = collective_s(
         traffic["tensor"], layout["tensor_collectives"], sizes["tensor"],
-        link_of("tensor", layout, device),
+        link_of("tensor", layout, device, gap_s),
     ) + collective_s(
         traffic["experts"], layout["expert_collectives"], sizes["experts"],
-        link_of("experts", layout, device),
+        link_of("experts", layout, device, gap_s),
     )  # fmt: skip
     # point to point: the whole volume crosses the link, one latency per blocking receive
     p2p = traffic["pipeline"]
-    link = link_of("pipeline", layout, device)
+    link = link_of("pipeline", layout, device, gap_s)
     pipe = 0.0
     if p2p:
         pipe = p2p / (link.gb_per_s * 1e9) + layout["pipeline_receives"] * link.latency_s
     # context parallel's K/V: the bytes that leave the rank (traffic.context_bytes), blocking
     kv = traffic.get("context", 0.0)
     if kv:
-        link = link_of("context", layout, device)
+        link = link_of("context", layout, device, gap_s)
         blocking += kv / (link.gb_per_s * 1e9) + layout["context_collectives"] * link.latency_s
     # the values the task logs with sync_dist: a blocking all-reduce of a scalar each, over all
     if synced and layout.get("world_size", 1) > 1:
         link = device.inter if layout.get("world_spans_nodes") else device.intra
+        link = device.waited(link, "c10d", gap_s)
         blocking += collective_s(4.0 * synced, synced, layout["world_size"], link)
     return max(0.0, data_s - hidden) + blocking + pipe

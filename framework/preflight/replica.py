@@ -27,11 +27,14 @@ class Work:
     attention_flops: float = 0.0  # the part of `flops` the fused attention kernels compute
     synced_logs: int = 0  # values the step logs with sync_dist: one blocking all-reduce each
     optimizer_ops: int = 0  # operations the optimizer's step launches (0: not counted)
+    other_ops: int = 0  # operations among `ops` whose bytes make `other_bytes`
+    matmuls: int = 0  # operations among `ops` with a FLOP formula, the fused attention aside
 
 
 def counting_mode():
     """A dispatch mode that counts FLOPs (torch's formulas, as `framework.perf.flop_counter`),
-    the bytes other operations touch and the operations launched."""
+    the bytes other operations touch (and how many of those operations ran) and the
+    operations launched."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -50,7 +53,7 @@ def counting_mode():
             super().__init__()
             self.flops = self.bytes = 0
             self.attention_flops = 0
-            self.ops = 0
+            self.ops = self.other_ops = self.matmuls = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -65,9 +68,12 @@ def counting_mode():
                 self.flops += flops
                 if is_attention(packet.__name__):
                     self.attention_flops += flops
+                else:
+                    self.matmuls += 1
             elif packet.__name__ not in free:
                 tensors = [t for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t)]
                 self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+                self.other_ops += 1
             return out
 
     return Counting()
@@ -127,6 +133,8 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
         float(counter.attention_flops) * accumulate,
         synced[0] * accumulate,
         stepped,
+        counter.other_ops * accumulate,
+        counter.matmuls * accumulate,
     )
 
 

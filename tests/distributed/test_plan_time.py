@@ -37,6 +37,16 @@ def test_a_calibration_feeds_the_plan_and_measure_runs_the_layout(tmp_path):
     assert set(device.host) == {"dtensor_op", "collective", "fsdp_unit", "step"}, device.host
     assert device.host["dtensor_op"] > 0 and device.host["fsdp_unit"] > 0, device.host
     assert device.host["collective"] == device.intra.latency_s
+    # a collective's time by its message's size, as the link's
+    assert set(device.intra.allreduce_s) == {str(2**k) for k in range(10, 25, 2)}
+    # the wait after a short and a long stretch of compute, by how a collective is issued
+    # (2 processes on this machine's 2 cores: each has a core, so the waits are measured)
+    assert set(device.waits) == {"c10d", "functional"}, device.waits
+    assert all(set(by_gap) == {"0.002", "0.02"} for by_gap in device.waits.values())
+    # a transformer's matmuls' share of the probe's rate and its other operations' GB/s, by size
+    assert len(device.matmul_share) == 4 and all(0 < s < 2 for s in device.matmul_share.values())
+    assert len(device.elementwise_gb_per_s) == 4, device.elementwise_gb_per_s
+    assert all(rate > 0 for rate in device.elementwise_gb_per_s.values())
     # fused attention's own rate, forward and backward, by dtype
     assert set(device.attention_tflops) == {"fp32", "bf16", "fp16"}, device.attention_tflops
     assert all(rate > 0 for rate in device.attention_tflops.values()), device.attention_tflops

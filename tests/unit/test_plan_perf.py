@@ -274,7 +274,8 @@ def test_measure_with_a_layout_that_does_not_fit_exits_2_and_runs_nothing(tmp_pa
     assert "Predicted against measured" not in out and not list(tmp_path.glob("**/metrics.csv"))
 
 
-HOST = {"ops": 500, "dtensor_ops": 300, "collectives": 10,
+# a tensor-parallel rank's record: its collectives are DTensor's (functional)
+HOST = {"ops": 500, "dtensor_ops": 300, "collectives": 10, "functional": 10,
         "optimizer_ops": 0, "optimizer_dtensor_ops": 200, "optimizer_collectives": 0}  # fmt: skip
 CPU = Device(**{**H100.__dict__, "accelerator": "cpu", "overlap": 0.0, "host": {}})
 
@@ -308,8 +309,8 @@ def test_the_host_term_is_each_count_times_its_cost_on_the_cpu():
     both = predict(WORK, {**facts, "host_counts": [HOST, slower]}, with_host(CPU, 1e-4, 1e-3))
     assert both.host_s == pytest.approx(once.host_s + 1000 * 1e-4)
     # a pipeline's FSDP2 stage reduce-scatters its gradients once, after the last microbatch
-    reduced = predict(WORK, {**facts, "host_counts": [{**HOST, "reductions": 3}]},
-                      with_host(CPU, 1e-4, 1e-3))  # fmt: skip
+    fsdp = {**HOST, "reductions": 3, "functional": 7}  # FSDP2's reduce-scatters are c10d's
+    reduced = predict(WORK, {**facts, "host_counts": [fsdp]}, with_host(CPU, 1e-4, 1e-3))
     assert reduced.host_s == pytest.approx(once.host_s - 3 * (4 - 1) * 1e-3)
 
 
@@ -551,3 +552,76 @@ def test_a_model_counted_on_real_tensors_has_its_optimizers_launches_counted():
     assert work.counted.startswith("real tensors")
     tensors = len(list(build_task(cfg.task).parameters()))
     assert work.optimizer_ops >= 8 * tensors
+
+
+def test_a_measured_figure_is_read_at_a_size_between_the_sizes_measured():
+    """A calibration measures some rates at a few sizes (of a matmul, of an elementwise
+    operation, of a collective's compute gap): in between, on a log scale of the size; beyond,
+    the nearest; nothing measured, the device's own figure."""
+    from framework.preflight.hardware import by_size
+
+    measured = {"100": 10.0, "10000": 30.0}
+    assert by_size(measured, 1000, 0.0) == pytest.approx(20.0)  # halfway on the log scale
+    assert by_size(measured, 10, 0.0) == 10.0 and by_size(measured, 1e6, 0.0) == 30.0
+    assert by_size({}, 1000, 7.0) == 7.0 and by_size(measured, 0, 7.0) == 7.0
+
+
+def test_matmuls_and_other_operations_run_at_the_rate_measured_for_their_size():
+    """On a calibrated CPU a transformer's matmuls reach a share of the square probe's rate
+    that grows with their size, and the operations without a FLOP formula a rate that falls as
+    their tensors outgrow the caches: each is charged at the rate of its mean size (a matmul's
+    FLOPs, an operation's bytes), the tensor-parallel split making a matmul smaller."""
+    work = Work(flops=4e12, other_bytes=2e11, ops=0, tokens=16384, rows=2, other_ops=1000,
+                matmuls=400)  # fmt: skip
+    sizes = {"shares": {"1e9": 0.5, "1e10": 1.0}, "rates": {"1e7": 100.0, "1e9": 20.0}}
+    device = Device(**{**CPU.__dict__, "efficiency": 1.0, "matmul_share": sizes["shares"],
+                       "elementwise_gb_per_s": sizes["rates"]})  # fmt: skip
+    peak = device.peak("bf16")
+    # 1e10 FLOPs a matmul: the full rate; 2e8 bytes an operation: 20 + (100 - 20) x (1 - ...)
+    each = 2e11 / 1000
+    rate = 100.0 + math.log(each / 1e7) / math.log(1e9 / 1e7) * (20.0 - 100.0)
+    whole = predict(work, layout(), device)
+    assert whole.compute_s == pytest.approx(4e12 / peak + 2e11 / (rate * 1e9))
+    # tp 2 without sequence parallel: half the FLOPs in matmuls of half the size (5e9: 0.85 of
+    # the rate), the other bytes whole
+    split = predict(work, layout(tp=2, sequence_parallel=False, group_sizes={"tensor": 2}), device)
+    share = 0.5 + math.log(5e9 / 1e9) / math.log(10) * 0.5
+    assert split.compute_s == pytest.approx(2e12 / (peak * share) + 2e11 / (rate * 1e9))
+    # a known GPU measured nothing: its efficiency and memory bandwidth at every size
+    gpu = predict(work, layout(), H100)
+    assert gpu.compute_s == pytest.approx(4e12 / (H100.peak("bf16") * 0.7) + 2e11 / 3350e9)
+
+
+def test_a_blocking_collective_waits_longer_after_longer_compute_and_by_how_it_is_issued():
+    """A calibrated device times a small all-reduce after 2 and 20 ms of compute, issued
+    through c10d (DDP, FSDP2, the logged values) and as DTensor's functional collectives
+    (tensor parallel), and each collective by its message's size: the plan charges each
+    blocking collective the time of its size, moved by how much longer (or shorter) the wait
+    after the step's compute between two of them is than after the 3 ms the sizes were timed
+    after."""
+    from framework.preflight.hardware import CALIBRATED_GAP_S, by_size
+
+    sized = {"1024": 1e-3, "1048576": 3e-3}
+    link = Link("measured", 1.0, 1e-3, sized)
+    waits = {"c10d": {"0.002": 1e-3, "0.02": 2e-3}, "functional": {"0.002": 2e-3, "0.02": 3e-3}}
+    device = Device(**{**CPU.__dict__, "intra": link, "inter": link, "waits": waits})
+    # each call at its message's size: 2 all-reduces of 1 MiB
+    assert collective_s(2 * 2**20, 2, 2, link) == pytest.approx(2 * 3e-3)
+    base = by_size(waits["c10d"], CALIBRATED_GAP_S, 0.0)
+    tensor = {"data": 0.0, "tensor": 8 * 2**20, "pipeline": 0.0, "experts": 0.0}
+    facts = layout(tp=2, traffic=tensor, group_sizes={"tensor": 2, "data": 1}, tensor_collectives=8)
+    pred = predict(WORK, facts, device)
+    gap = pred.compute_s / 8  # no other blocking collective
+    shift = by_size(waits["functional"], gap, 0.0) - base
+    assert pred.comm_s == pytest.approx(8 * (3e-3 + shift))
+    # a data-parallel all-reduce of the same size is c10d's: a shorter wait
+    data = {"data": 2 * 2**20, "tensor": 0.0, "pipeline": 0.0, "experts": 0.0}
+    ddp = predict(WORK, layout(traffic=data, group_sizes={"data": 2}), device)
+    gap = ddp.compute_s / 1
+    assert ddp.comm_s == pytest.approx(3e-3 + by_size(waits["c10d"], gap, 0.0) - base)
+    assert by_size(waits["c10d"], gap, 0.0) - base > 0  # a whole step's compute: a longer wait
+    # nothing measured (a known GPU): latency and bandwidth, whatever the gap
+    plain = Device(**{**device.__dict__, "waits": {}, "intra": Link("l", 1.0, 1e-3)})
+    assert predict(WORK, facts, plain).comm_s == pytest.approx(
+        collective_s(8 * 2**20, 8, 2, plain.intra)
+    )
