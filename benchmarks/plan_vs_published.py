@@ -14,8 +14,9 @@ are counted on fake tensors (a transformers Llama of that shape, built on fake C
 parameters as FSDP's mixed precision computes them), the bytes per collective from the plan's
 formulas (FSDP 3 x the bf16 parameters per data rank, 4bsh per layer for TP), over NVLink within a
 node and InfiniBand NDR across. Their machines differ from the datasheet part (96 GB of HBM2e
-at 2.4 TB/s, 500 W, as their benchmark page states): each row is predicted again on that
-memory (`their_part`); the power limit is left out. Checkpointing is counted as each run
+at 2.4 TB/s, 500 W, as their benchmark page states, with a peak "between SXM and NVL" by its
+footnote): each row is predicted again on that memory with either end of that peak, the H100
+SXM's and the H100 NVL's datasheet figures (`their_part`). Checkpointing is counted as each run
 configured it: the 8B run's selective checkpointing keeps the attention's and every second
 matmul's outputs (`checkpoint_every_other_matmul`), the 70B run's full checkpointing recomputes
 each layer's forward.
@@ -158,12 +159,14 @@ def layout(gpus: int, fsdp: int, tp: int, batch: int, params: int, shape: dict, 
     }
 
 
-def their_part(device: Device) -> Device:
-    """The H100 SXM description with the memory their benchmark page states for its GPUs (96 GB
-    of HBM2e at 2.4 TB/s); their 500 W power limit (the datasheet part: 700 W) is left out, as
-    no datasheet gives the tensor cores' rate at it."""
-    return Device(**{**device.__dict__, "name": "H100 (96 GB HBM2e, 2.4 TB/s, 500 W)",
-                     "memory_gib": 96.0, "hbm_gb_per_s": 2400.0})  # fmt: skip
+def their_part(device: Device, peak: Device) -> Device:
+    """The H100 SXM description with what their benchmark page states of its GPUs: 96 GB of
+    HBM2e at 2.4 TB/s, and (its footnote 2: "HBM2e-based SXM H100 with lower TDP, the actual
+    peak TFLOPs number is between SXM and NVL") the dense peaks of `peak`, the SXM's or the
+    NVL's datasheet figures, the two ends of what they say; the SXM's efficiency either way
+    (the same Hopper die and cuBLAS)."""
+    return Device(**{**device.__dict__, "name": f"H100 (96 GB HBM2e, 2.4 TB/s, {peak.name} peak)",
+                     "memory_gib": 96.0, "hbm_gb_per_s": 2400.0, "tflops": peak.tflops})  # fmt: skip
 
 
 def matmul_peak(device: Device, dtype: str) -> Device:
@@ -213,22 +216,26 @@ def main() -> None:
                 "mfu": p.mfu,
             }
         )
-        theirs = predict(work, facts, matmul_peak(their_part(DEVICES["H100 SXM"]), dtype))
-        results[-1]["their_part"] = {
-            "predicted_tokens_per_s_per_gpu": theirs.tokens_per_s / gpus,
-            "predicted_over_published": theirs.tokens_per_s / gpus / published,
-            "compute_s": theirs.compute_s,
-        }
+        for end in ("H100 SXM", "H100 NVL"):
+            theirs = their_part(DEVICES["H100 SXM"], DEVICES[end])
+            theirs = predict(work, facts, matmul_peak(theirs, dtype))
+            results[-1][f"their_part_{end.split()[-1].lower()}_peak"] = {
+                "predicted_tokens_per_s_per_gpu": theirs.tokens_per_s / gpus,
+                "predicted_over_published": theirs.tokens_per_s / gpus / published,
+                "compute_s": theirs.compute_s,
+            }
         shown = ", ".join(f"{k} {v:.3g}" for k, v in terms.items() if v)
         print(
             f"{name:52} {per_gpu:9.0f} {published:9.0f} {per_gpu / published:6.2f}  "
             f"{p.dominant} ({shown}; FLOPs alone {matmul:.3g})"
         )
-        print(
-            f"{'  on their part (HBM2e at 2.4 TB/s)':52} {theirs.tokens_per_s / gpus:9.0f} "
-            f"{published:9.0f} {theirs.tokens_per_s / gpus / published:6.2f}  "
-            f"compute {theirs.compute_s:.3g}"
-        )
+        for end in ("sxm", "nvl"):
+            theirs = results[-1][f"their_part_{end}_peak"]
+            print(
+                f"{f'  their part (2.4 TB/s HBM2e, {end.upper()} peak)':52} "
+                f"{theirs['predicted_tokens_per_s_per_gpu']:9.0f} {published:9.0f} "
+                f"{theirs['predicted_over_published']:6.2f}  compute {theirs['compute_s']:.3g}"
+            )
     print(f"counted and predicted in {time.perf_counter() - started:.0f} s")
     save_results("plan_vs_published", {"rows": results}, load)
 

@@ -2,8 +2,9 @@
 machine measured by `fw calibrate` (framework/preflight/calibrate.py) and read back from its file.
 
 Figures are the vendors' datasheet numbers, dense (without 2:4 sparsity), per GPU:
-- H100 SXM5 and H100 PCIe: NVIDIA H100 Tensor Core GPU datasheet (2023), "Technical
-  Specifications" table; the sparse figures there are twice the dense ones given here.
+- H100 SXM5, H100 NVL and H100 PCIe: NVIDIA H100 Tensor Core GPU datasheet (2023), "Technical
+  Specifications" table; the sparse figures there are twice the dense ones given here. The NVL
+  part (350-400 W) has 94 GB of HBM3 at 3.9 TB/s and an NVLink bridge between pairs.
 - H200 SXM: NVIDIA H200 Tensor Core GPU datasheet (2024); the same Hopper compute as H100 SXM,
   141 GB HBM3e at 4.8 TB/s.
 - A100 SXM4 80GB: NVIDIA A100 Tensor Core GPU datasheet (2021).
@@ -174,6 +175,16 @@ DEVICES: dict[str, Device] = {
         2000.0,
         0.6,
         PCIE5,
+        ROCE_400,
+        host=GPU_HOST,
+    ),
+    "H100 NVL": Device(
+        "H100 NVL",
+        {"fp8": 1670.5, "bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+        94.0,
+        3900.0,
+        0.6,
+        Link("NVLink bridge (pairs)", 300.0, 5e-6),
         ROCE_400,
         host=GPU_HOST,
     ),
