@@ -8,7 +8,7 @@ Then the rank order: wherever two layouts' measured times per token differ by mo
 prediction must order them the same way (time per token, the order `fw plan` sorts by: the
 layouts' steps take different numbers of tokens). Every such pair is printed and recorded.
 
-Run: python -m benchmarks.plan_accuracy (2 processes, eight layouts, about 6 minutes on two quiet
+Run: python -m benchmarks.plan_accuracy (2 processes, eight layouts, about 4 minutes on two quiet
 cores); --rounds R calibrates and measures R times and keeps each layout's median ratio;
 --gpus 4 for the same eight at 4 processes, where tensor and expert have two replicas, fsdp_tp
 is fsdp 2 x tp 2 and the pipeline pp 2 x fsdp 2 (results/plan_accuracy_4.json); --layouts a,b
