@@ -88,7 +88,7 @@ def probe_step(torch, model):
     return run
 
 
-def host_costs(torch, latency_s: float) -> dict[str, float]:
+def host_costs(torch) -> dict[str, float]:
     """The host's cost per call of what a layout adds (framework/preflight/perf.py's host
     term), from the step of a small model measured three ways and counted with the counter `fw
     plan` counts with: plain; tensor parallel (column- then row-wise linears): (its time - the
@@ -100,7 +100,8 @@ def host_costs(torch, latency_s: float) -> dict[str, float]:
     the functional collectives' wrapping) and return at once, so the probes time the host's
     work alone, the waits measured apart (`waits_after_compute`). On a mesh of one process
     DTensor skips its redistributions: 15 us an operation here against 21 us over two. A
-    collective the communication term does not list costs the latency."""
+    collective the communication term does not list costs the link's latency (`describe`
+    adds it as `collective`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -135,7 +136,7 @@ def host_costs(torch, latency_s: float) -> dict[str, float]:
     extra = seconds - plain_s - counts.dtensor_ops * dtensor_op
     unit = max(0.0, extra / fsdp_units(sharded))
     step = max(0.0, trainer_step_s(torch) - plain_s)
-    return {"dtensor_op": dtensor_op, "collective": latency_s, "fsdp_unit": unit, "step": step}
+    return {"dtensor_op": dtensor_op, "fsdp_unit": unit, "step": step}
 
 
 def trainer_step_s(torch, steps: int = 60) -> float:
@@ -300,7 +301,7 @@ def measure(out: str) -> None:
     times, fastest = allreduce_times(torch, dist)
     local["allreduce_s"], local["allreduce_fastest_s"] = times, fastest
     local["waits"] = waits_after_compute(torch, dist)
-    local["host"] = host_costs(torch, latency_of(times))
+    local["host"] = host_costs(torch)
     gathered = [None] * n
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
@@ -325,13 +326,11 @@ def describe(gathered: list[dict], threads: int):
     def slowest(key: str) -> dict:
         return {k: min(g[key][k] for g in gathered) for k in gathered[0][key]}
 
-    def mean(values) -> float:
-        return statistics.mean(values)
-
     rates = slowest("tflops")
     # each size's share of the peak, the slowest process's rates both
     shares = {k: min(g["matmul_share"][k] * g["tflops"]["fp32"] for g in gathered)
               / rates["fp32"] for k in gathered[0]["matmul_share"]}  # fmt: skip
+    mean = statistics.mean
     waits = {kind: {gap: mean(g["waits"][kind][gap] for g in gathered) for gap in by_gap}
              for kind, by_gap in gathered[0]["waits"].items()}  # fmt: skip
     times = {
@@ -367,7 +366,6 @@ def describe(gathered: list[dict], threads: int):
             "processes": n,
             "threads": threads,
             "matmul_size": MATMUL,
-            "allreduce_s_by_bytes": {str(k): v for k, v in times.items()},
             "allreduce_fastest_s_by_bytes": {str(k): v for k, v in fastest.items()},
             "per_process": gathered,
             "load_average": os.getloadavg()[0],

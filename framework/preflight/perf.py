@@ -163,7 +163,7 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
         bubble = compute * (pp - 1) / (layout["virtual_stages"] * layout["microbatches"])
     synced = work.synced_logs if layout.get("world_size", 1) > 1 else 0
     # the compute between two of the rank's blocking collectives: the longer, the longer each
-    # waits for its peers (Device.wait_s; measured by fw calibrate, a known GPU's links' latency)
+    # waits for its peers (Device.waited: measured by fw calibrate; a known GPU: its links' latency)
     syncs = sum(charged_collectives(layout).values()) + sum(extra_collectives(layout).values())
     gap = compute / max(1, syncs + synced)
     comm = exposed_comm(layout, device, compute, synced, gap)
