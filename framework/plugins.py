@@ -147,6 +147,14 @@ class StrategyCapabilities(Protocol):
         of the gradients, 2 * grads (ring volume, the (N-1)/N factor left out)."""
         return 2 * grads
 
+    @staticmethod
+    def data_overlap(cfg: Any, world: World) -> float:
+        """The share of the data-parallel bytes (`data_traffic`) sent while backward still
+        computes (`fw plan`'s communication term hides all of that share but its last bucket
+        behind compute); the rest blocks the step. Default: all of them (an all-reduce in
+        buckets as the gradients become ready, or gathers prefetched ahead of the compute)."""
+        return 1.0
+
 
 class LauncherCapabilities(Protocol):
     """Optional members of a launcher plugin module, each with its default here; validation

@@ -23,9 +23,13 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   data-parallel bytes, 4bsh per layer for tensor parallel, 2bsh per stage boundary, the
   experts' all-to-all, context parallel's K/V), each over the link its group crosses
   (tensor parallel ranks are adjacent and stay within a node; a data-parallel group crosses
-  nodes once a pipeline position spans more than one node), plus a latency per collective. Data-parallel traffic
-  (DDP's bucketed all-reduce, FSDP's and ZeRO's prefetched gathers) hides behind compute except
-  its last bucket; tensor parallel's all-reduces and the experts' all-to-all block.
+  nodes once a pipeline position spans more than one node), plus a latency per collective. The
+  share of the data-parallel traffic a strategy sends during backward (its plugin's
+  `data_overlap`: DDP's bucketed all-reduce and FSDP's prefetched gathers all of it; ZeRO-1/2
+  the reduce-scatter, half, not the all-gather after the optimizer step; DeepSpeed without
+  `overlap_comm`, as on the CPU, and DiLoCo's round-end all-reduce none) hides behind compute
+  except its last bucket, the rest blocks; tensor parallel's all-reduces and the experts'
+  all-to-all block.
 - bubble: the schedule's idle share, compute x (p - 1) / (v x m) for p stages, m microbatches
   and v stages per rank (gpipe and 1f1b: v = 1).
 - optimizer step: memory-bound, the rank's parameters, gradients and optimizer state read and
@@ -264,7 +268,9 @@ def exposed_comm(
     data = traffic["data"]
     buckets = max(1, math.ceil(data / BUCKET_BYTES))
     data_s = collective_s(data, buckets, sizes["data"], link_of("data", layout, device, gap_s))
-    hidden = min(data_s - data_s / buckets, device.overlap * compute_s)
+    # the share the strategy sends during backward (`data_overlap`): all but its last bucket
+    share = layout.get("data_overlap", 1.0)
+    hidden = min(max(0.0, share * data_s - data_s / buckets), device.overlap * compute_s)
     blocking = collective_s(
         traffic["tensor"], layout["tensor_collectives"], sizes["tensor"],
         link_of("tensor", layout, device, gap_s),

@@ -151,6 +151,8 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
     """What the performance model (framework/preflight/perf.py) needs of one checked layout:
     degrees, group sizes, which groups cross nodes, bytes by group, collectives per step, the
     schedule, and the worst rank's model states."""
+    from framework.plugins import capability
+
     cfg, world = report.config, report.world
     dims = degrees_of(report)
     n = world.world_size
@@ -175,6 +177,7 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
         "microbatches": micro,
         "virtual_stages": virtual,
         "traffic": traffic(cfg, report),
+        "data_overlap": float(capability(report.plugin, "data_overlap")(report.strategy, world)),
         "group_sizes": {
             "data": data_ranks,
             "tensor": tp,

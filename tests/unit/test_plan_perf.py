@@ -152,6 +152,18 @@ def test_data_parallel_traffic_hides_behind_compute_except_its_last_bucket():
     assert predict(WORK, layout(traffic=data), nothing_hidden).comm_s == pytest.approx(whole)
 
 
+def test_only_the_share_sent_during_backward_hides_behind_compute():
+    data = {"data": 2 * 16e9, "tensor": 0.0, "pipeline": 0.0, "experts": 0.0}
+    buckets = math.ceil(32e9 / (25 * 2**20))
+    whole = collective_s(32e9, buckets, 8, H100.intra)
+    # ZeRO-1/2: the reduce-scatter in backward, the all-gather after the optimizer step
+    half = predict(WORK, layout(traffic=data, data_overlap=0.5), H100)
+    assert half.comm_s == pytest.approx(whole - (whole / 2 - whole / buckets))
+    blocking = predict(WORK, layout(traffic=data, data_overlap=0.0), H100)
+    assert blocking.comm_s == pytest.approx(whole)
+    assert predict(WORK, layout(traffic=data), H100).comm_s < half.comm_s
+
+
 def test_optimizer_step_is_memory_bound():
     states = {"params": 4e9, "grads": 4e9, "optimizer": 8e9}
     pred = predict(WORK, layout(state_bytes=states), H100)

@@ -28,6 +28,7 @@ def test_a_plugin_without_capabilities_gets_the_defaults():
     assert capability(bare, "mesh_dims")(cfg, world) is None
     assert capability(bare, "saves_async")(cfg, world) is False
     assert capability(bare, "data_traffic")(cfg, world, 10, 99) == 20
+    assert capability(bare, "data_overlap")(cfg, world) == 1.0
     replica = object()
     assert capability(bare, "model_states")(cfg, world, replica, "32-true") == (replica, None)
     with pytest.raises(AttributeError):
@@ -44,6 +45,17 @@ def test_the_builtin_answers():
     stage1 = typed_config(zero, {"kind": "deepspeed", "stage": 1})
     assert capability(zero, "data_traffic")(stage1, world, 10, 80) == 2 * 80
     assert not capability(zero, "saves_async")(stage1, world)
+    overlap = capability(zero, "data_overlap")
+    # the parameters' all-gather follows the optimizer step; on the CPU overlap_comm is off
+    assert (overlap(stage1, world), overlap(stage3, world)) == (0.5, 1.0)
+    cpu = World(8, 8, 1, "cpu")
+    assert (overlap(stage1, cpu), overlap(stage3, cpu)) == (0.0, 0.0)
+    off = {"zero_optimization": {"overlap_comm": False}}
+    told = typed_config(zero, {"kind": "deepspeed", "stage": 3, "deepspeed_config": off})
+    assert overlap(told, world) == 0.0  # the user's own DeepSpeed setting wins
+    diloco = load_plugin("strategy", "diloco", "strategy.kind")
+    rounds = typed_config(diloco, {"kind": "diloco"})
+    assert capability(diloco, "data_overlap")(rounds, world) == 0.0  # a blocking round end
     mesh = load_plugin("strategy", "parallel", "strategy.kind")
     layout = typed_config(mesh, {"kind": "parallel", "pp": 2, "fsdp": -1, "tp": 2})
     dims = capability(mesh, "mesh_dims")(layout, world)

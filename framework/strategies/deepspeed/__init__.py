@@ -124,6 +124,18 @@ def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
     return 3 * grads * n if n > 1 else 0
 
 
+def data_overlap(cfg: Config, world: World) -> float:
+    """Only with `overlap_comm` (on under CUDA, `deepspeed_config`) does a reduction run beside
+    the backward; without it each bucket's collective blocks the step. Stages 1-2 then
+    reduce-scatter the gradients during backward, but all-gather the updated parameters after
+    the optimizer step, with no compute left to hide behind: half of `data_traffic`. Stage 3
+    prefetches its gathers and reduces during backward: all of it."""
+    zero = deepspeed_config(cfg, world.is_cuda)["zero_optimization"]
+    if not zero.get("overlap_comm"):
+        return 0.0
+    return 1.0 if cfg.stage == 3 else 0.5
+
+
 def check_move(cfg: Config, source: str) -> None:
     """Refuse a checkpoint from another layout when state lives on NVMe: DeepSpeed swaps it to
     files that the conversion (framework/portable.py) does not fill."""

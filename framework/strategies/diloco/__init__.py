@@ -103,6 +103,12 @@ def data_traffic(cfg: Config, world: World, grads: int, params: int) -> float:
     return 2 * params / 4 * size / cfg.sync_every
 
 
+def data_overlap(cfg: Config, world: World) -> float:
+    """The pseudo-gradient's all-reduce runs after the round's last inner step, blocking
+    (framework/strategies/diloco/rounds.py): nothing hides it."""
+    return 0.0
+
+
 def data_parallel(cfg: Config, world: World) -> tuple[int, int]:
     return world.rank, world.world_size
 
