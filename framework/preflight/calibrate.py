@@ -9,8 +9,9 @@ every process, as the job's ranks compete for the cores: the compute rates
 (framework/preflight/rates.py); the all-reduce time by message size after a layer's worth of
 compute (`allreduce_times`), from which the latency (the small messages) and the bus bandwidth
 (the largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; the wait of
-a blocking collective after a short and a long stretch of compute, issued through c10d and as a
-functional collective (`waits_after_compute`); the host's cost of an operation on DTensors and
+a blocking collective after a short and a long stretch of compute (`waits_after_compute`); what
+one blocking functional collective adds to a tensor-parallel step (`functional_waits`); the
+host's cost of an operation on DTensors and
 of one FSDP2 unit's hooks per step, from a small model's step run plain, tensor parallel and
 under FSDP2 (`host_costs`); and the training loop's own work per step (`trainer_step_s`). The
 figures are the rates a step meets on this machine, so the efficiency is 1. Communication and
@@ -28,13 +29,15 @@ import time
 from pathlib import Path
 
 from framework.errors import ConfigError
-from framework.preflight.hardware import CALIBRATED_GAP_S
+from framework.preflight.hardware import CALIBRATED_GAP_S, STEP_PROBE_BYTES
 from framework.preflight.rates import MATMUL, compute_rates, times_of, typical_time
 
 SIZES = [2**k for k in range(10, 25, 2)]  # all-reduce bytes: 1 KiB .. 16 MiB
 # compute between two blocking collectives (seconds) -> calls timed: a tensor-parallel layer's
 # and a whole forward's
 WAIT_GAPS_S = {0.002: 120, 0.02: 40}
+# the tensor-parallel step probe's widths: about 2.5 and 5 ms of compute per collective here
+STEP_WIDTHS = (64, 256)
 
 
 def calibrate_command(args: list[str]) -> int:
@@ -240,17 +243,12 @@ def allreduce_times(torch, dist) -> tuple[dict[int, float], dict[int, float]]:
 
 
 def waits_after_compute(torch, dist) -> dict[str, dict[str, float]]:
-    """The mean time of a blocking 1 KiB all-reduce after `WAIT_GAPS_S` of matmuls in every
-    process, by how it is issued: `c10d` (dist.all_reduce: DDP's buckets, FSDP2's and a
-    pipeline's collectives, the logged values) and `functional` (the functional collectives
-    DTensor issues under tensor and expert parallelism, waited on when the result is used),
-    each keyed by the gap in seconds. The longer a rank computes alone, the further its peer
-    drifts and the longer the wait (here about 1.3 ms after 2 ms, 2.2 ms after 20 ms), and a
-    functional collective's wait is longer again (its result comes back through another
-    thread). Empty where the processes outnumber the cores: a waiting rank's core then runs
-    another's compute (`allreduce_times`)."""
-    import torch.distributed._functional_collectives as functional
-
+    """The mean time of a blocking 1 KiB all-reduce through c10d (dist.all_reduce: DDP's
+    buckets, FSDP2's and a pipeline's collectives, the logged values) after `WAIT_GAPS_S` of
+    matmuls in every process, keyed `c10d`, then by the gap in seconds. The longer a rank
+    computes alone, the further its peer drifts and the longer the wait (here about 1.3 ms
+    after 2 ms, 2.2 ms after 20 ms). Empty where the processes outnumber the cores: a waiting
+    rank's core then runs another's compute (`allreduce_times`)."""
     if dist.get_world_size() > (os.cpu_count() or 1):
         return {}
     a = torch.randn(MATMUL // 2, MATMUL // 2)
@@ -260,27 +258,77 @@ def waits_after_compute(torch, dist) -> dict[str, dict[str, float]]:
         a @ a
     each = torch.tensor((time.perf_counter() - started) / 10)
     dist.broadcast(each, 0)  # the same work in every process
-    issue = {
-        "c10d": lambda: dist.all_reduce(x),
-        "functional": lambda: functional.wait_tensor(
-            functional.all_reduce(x, "sum", dist.group.WORLD)
+    dist.all_reduce(x)  # warm-up
+    found = {}
+    for gap, calls in WAIT_GAPS_S.items():
+        rounds = max(1, round(gap / max(float(each), 1e-6)))
+        dist.barrier()
+        times = []
+        for _ in range(calls):
+            for _ in range(rounds):
+                a @ a
+            started = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - started)
+        found[str(gap)] = statistics.mean(times)
+    return {"c10d": found}
+
+
+def functional_waits(torch, dist) -> dict[str, float]:
+    """Seconds one blocking functional collective (DTensor's, under tensor, expert and context
+    parallelism) adds to a step, keyed by the step's compute per collective (seconds, as text):
+    two transformer blocks (framework.nn) split over every process as `strategy.tp` splits them,
+    at each of `STEP_WIDTHS` with as many tokens as make each all-reduce `STEP_PROBE_BYTES`,
+    stepped (forward, backward, AdamW) over the job's group and over torch's `fake` group, whose
+    collectives return at once: (real - fake) / functional collectives, at fake /
+    functional collectives. Both times are the mean over the processes, so every process keys
+    the same gap. Inside a step a collective costs more than after a loop of matmuls (here 2.3-2.9
+    ms against 1.3-1.8 at the same compute): one rank's result comes back 1-4 ms after its
+    peer's, its gloo threads woken late, and those threads' work takes the cores from the
+    compute. Empty where the processes outnumber the cores (`allreduce_times`)."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401 - the "fake" backend
+
+    from framework.nn import TransformerBlock, apply_tensor_parallel
+    from framework.preflight.counting import host_counting
+
+    n = dist.get_world_size()
+    if n > (os.cpu_count() or 1):
+        return {}
+    # two meshes over the same ranks must differ by name: DTensor takes equal meshes for one
+    meshes = {
+        "real": init_device_mesh("cpu", (n,), mesh_dim_names=("probe_real",)),
+        "fake": DeviceMesh.from_group(
+            dist.new_group(backend="fake"), "cpu", mesh_dim_names=("probe_fake",)
         ),
     }
-    found: dict[str, dict[str, float]] = {}
-    for kind, call in issue.items():
-        call()  # warm-up
-        found[kind] = {}
-        for gap, calls in WAIT_GAPS_S.items():
-            rounds = max(1, round(gap / max(float(each), 1e-6)))
+    found = {}
+    for width in STEP_WIDTHS:
+        rows = max(1, STEP_PROBE_BYTES // 4 // width // 128)
+        seconds, calls = [], 0
+        for mesh in meshes.values():
+            torch.manual_seed(0)
+            model = nn.Sequential(TransformerBlock(width, 4), TransformerBlock(width, 4))
+            apply_tensor_parallel(model, mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            x = torch.randn(rows, 128, width)
+
+            def run(model=model, optimizer=optimizer, x=x):
+                model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+            counter = host_counting()
+            with counter:
+                run()
+            calls = max(1, counter.counts()["functional"])
             dist.barrier()
-            times = []
-            for _ in range(calls):
-                for _ in range(rounds):
-                    a @ a
-                started = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - started)
-            found[kind][str(gap)] = statistics.mean(times)
+            seconds.append(typical_time(lambda run=run: [run() for _ in range(5)], 7) / 5)
+        mean = torch.tensor(seconds, dtype=torch.float64)
+        dist.all_reduce(mean)
+        real, fake = (mean / n).tolist()
+        found[str(round(fake / calls, 6))] = max(0.0, (real - fake) / calls)
     return found
 
 
@@ -301,6 +349,9 @@ def measure(out: str) -> None:
     times, fastest = allreduce_times(torch, dist)
     local["allreduce_s"], local["allreduce_fastest_s"] = times, fastest
     local["waits"] = waits_after_compute(torch, dist)
+    functional = functional_waits(torch, dist)
+    if functional:
+        local["waits"]["functional"] = functional
     local["host"] = host_costs(torch)
     gathered = [None] * n
     dist.all_gather_object(gathered, local)

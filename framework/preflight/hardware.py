@@ -53,6 +53,7 @@ from framework.errors import ConfigError
 
 CALIBRATION_KIND = "fw-calibration"  # the marker a calibration file carries
 CALIBRATED_GAP_S = 0.003  # compute before each all-reduce fw calibrate times (a layer's)
+STEP_PROBE_BYTES = 2**19  # the message of each all-reduce in fw calibrate's tensor-parallel step
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,9 @@ class Device:
     # the share of the peak matmuls reach by the FLOPs of one call, as measured on a
     # transformer's linear layers (fw calibrate); none: `efficiency` at every size
     matmul_share: dict = field(default_factory=dict)
-    # seconds a blocking collective waits by how it is issued (`c10d`, `functional`) and by
-    # the compute before it (seconds, as text), as measured (fw calibrate); none: the link's
+    # by how a blocking collective is issued and the compute before it (seconds, as text), as
+    # measured (fw calibrate): `c10d`, a 1 KiB all-reduce's time; `functional`, what one adds
+    # to a tensor-parallel step (messages of STEP_PROBE_BYTES); none: the link's
     waits: dict = field(default_factory=dict)
     # GB/s of the operations without a FLOP formula (norms, activations, residual adds, the
     # loss) by the bytes one of them moves, as measured (fw calibrate); none: hbm_gb_per_s
@@ -113,15 +115,25 @@ class Device:
         return by_size(self.matmul_share, flops_per_call, self.efficiency)
 
     def waited(self, link: Link, kind: str, gap_s: float) -> Link:
-        """`link` as one blocking collective issued as `kind` (`c10d`: DDP, FSDP2, the
-        pipeline's sends, logged values; `functional`: DTensor's, under tensor and expert
-        parallelism) meets it after `gap_s` of compute: where waits were measured, its latency
-        and its measured times moved by the wait's difference from the one after
-        `CALIBRATED_GAP_S` (when they were timed); else `link` as it is."""
+        """`link` as one blocking collective issued as `kind` meets it after `gap_s` of
+        compute, where waits were measured (else `link` as it is):
+        - `c10d` (DDP, FSDP2, the pipeline's sends, logged values): its latency and its
+          measured times moved by the wait's difference from the one after `CALIBRATED_GAP_S`
+          (when they were timed);
+        - `functional` (DTensor's, under tensor, expert and context parallelism): each call
+          what one added to a tensor-parallel step of that compute per collective, plus the
+          time a message larger than that step's (`STEP_PROBE_BYTES`) takes longer on its
+          own (the fastest all-reduce by size, `measured`)."""
         if not self.waits.get(kind):
             return link
+        if kind == "functional":
+            added = by_size(self.waits[kind], gap_s, 0.0)
+            fastest = self.measured.get("allreduce_fastest_s_by_bytes") or {}
+            base = by_size(fastest, STEP_PROBE_BYTES, 0.0)
+            times = {size: added + max(0.0, s - base) for size, s in fastest.items()}
+            return replace(link, latency_s=added, allreduce_s=times or {"1": added})
         shift = by_size(self.waits[kind], gap_s, 0.0) - by_size(
-            self.waits.get("c10d") or self.waits[kind], CALIBRATED_GAP_S, 0.0
+            self.waits[kind], CALIBRATED_GAP_S, 0.0
         )
         times = {size: max(0.0, s + shift) for size, s in link.allreduce_s.items()}
         return replace(link, latency_s=max(0.0, link.latency_s + shift), allreduce_s=times)

@@ -605,28 +605,33 @@ def test_matmuls_and_other_operations_run_at_the_rate_measured_for_their_size():
 
 
 def test_a_blocking_collective_waits_longer_after_longer_compute_and_by_how_it_is_issued():
-    """A calibrated device times a small all-reduce after 2 and 20 ms of compute, issued
-    through c10d (DDP, FSDP2, the logged values) and as DTensor's functional collectives
-    (tensor parallel), and each collective by its message's size: the plan charges each
-    blocking collective the time of its size, moved by how much longer (or shorter) the wait
-    after the step's compute between two of them is than after the 3 ms the sizes were timed
-    after."""
-    from framework.preflight.hardware import CALIBRATED_GAP_S, by_size
+    """A calibrated device times a small all-reduce through c10d (DDP, FSDP2, the logged
+    values) after 2 and 20 ms of compute, and each collective by its message's size: the plan
+    charges each blocking c10d collective the time of its size, moved by how much longer (or
+    shorter) the wait after the step's compute between two of them is than after the 3 ms the
+    sizes were timed after. DTensor's functional collectives (tensor parallel) are charged what
+    one added to a tensor-parallel step of that compute per collective, plus what a larger
+    message than that step's takes longer on its own (the fastest all-reduce by size)."""
+    from framework.preflight.hardware import CALIBRATED_GAP_S, STEP_PROBE_BYTES, by_size
 
     sized = {"1024": 1e-3, "1048576": 3e-3}
     link = Link("measured", 1.0, 1e-3, sized)
-    waits = {"c10d": {"0.002": 1e-3, "0.02": 2e-3}, "functional": {"0.002": 2e-3, "0.02": 3e-3}}
-    device = Device(**{**CPU.__dict__, "intra": link, "inter": link, "waits": waits})
+    waits = {"c10d": {"0.002": 1e-3, "0.02": 2e-3}, "functional": {"0.0025": 2e-3, "0.005": 3e-3}}
+    fastest = {str(STEP_PROBE_BYTES): 2e-4, str(4 * STEP_PROBE_BYTES): 8e-4}
+    device = Device(**{**CPU.__dict__, "intra": link, "inter": link, "waits": waits,
+                       "measured": {"allreduce_fastest_s_by_bytes": fastest}})  # fmt: skip
     # each call at its message's size: 2 all-reduces of 1 MiB
     assert collective_s(2 * 2**20, 2, 2, link) == pytest.approx(2 * 3e-3)
     base = by_size(waits["c10d"], CALIBRATED_GAP_S, 0.0)
-    tensor = {"data": 0.0, "tensor": 8 * 2**20, "pipeline": 0.0, "experts": 0.0}
-    facts = layout(tp=2, traffic=tensor, group_sizes={"tensor": 2, "data": 1}, tensor_collectives=8)
-    pred = predict(WORK, facts, device)
-    gap = pred.compute_s / 8  # no other blocking collective
-    shift = by_size(waits["functional"], gap, 0.0) - base
-    assert pred.comm_s == pytest.approx(8 * (3e-3 + shift))
-    # a data-parallel all-reduce of the same size is c10d's: a shorter wait
+    for each in (STEP_PROBE_BYTES, 4 * STEP_PROBE_BYTES):  # the probe's messages, and larger
+        tensor = {"data": 0.0, "tensor": 8 * each, "pipeline": 0.0, "experts": 0.0}
+        facts = layout(tp=2, traffic=tensor, group_sizes={"tensor": 2, "data": 1},
+                       tensor_collectives=8)  # fmt: skip
+        pred = predict(WORK, facts, device)
+        gap = pred.compute_s / 8  # no other blocking collective
+        longer = 0.0 if each == STEP_PROBE_BYTES else 8e-4 - 2e-4
+        assert pred.comm_s == pytest.approx(8 * (by_size(waits["functional"], gap, 0.0) + longer))
+    # a data-parallel all-reduce of 1 MiB is c10d's: its size's time, moved by the wait
     data = {"data": 2 * 2**20, "tensor": 0.0, "pipeline": 0.0, "experts": 0.0}
     ddp = predict(WORK, layout(traffic=data, group_sizes={"data": 2}), device)
     gap = ddp.compute_s / 1
@@ -635,5 +640,5 @@ def test_a_blocking_collective_waits_longer_after_longer_compute_and_by_how_it_i
     # nothing measured (a known GPU): latency and bandwidth, whatever the gap
     plain = Device(**{**device.__dict__, "waits": {}, "intra": Link("l", 1.0, 1e-3)})
     assert predict(WORK, facts, plain).comm_s == pytest.approx(
-        collective_s(8 * 2**20, 8, 2, plain.intra)
+        collective_s(tensor["tensor"], 8, 2, plain.intra)
     )
