@@ -18,7 +18,8 @@ def host_counting():
     group calls and functional collectives, their waits and autograd wrappers aside), of which
     `functional` are functional collectives (DTensor's) and `reductions` are reduce-scatters (a pipeline's FSDP2 stage reduces its gradients once per
     step, after the last microbatch, not in each). Operations a DTensor runs on its local
-    shards inside its dispatch are not seen again: its one call is counted."""
+    shards inside its dispatch are not counted again (its one call is), but the collectives
+    it issues there are (loss parallel's over the vocabulary-split logits: three a step)."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -27,6 +28,7 @@ def host_counting():
             super().__init__()
             self.ops = self.dtensor_ops = self.collectives = self.reductions = 0
             self.functional = 0  # of the collectives, functional ones (DTensor's)
+            self.inside = 0  # DTensor dispatches under way
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace in COLLECTIVES:
@@ -36,8 +38,16 @@ def host_counting():
                 self.functional += sent and func.namespace != "c10d"
                 self.reductions += "reduce_scatter" in name
             elif any(issubclass(t, DTensor) for t in types):
+                if self.inside:  # seen once already: DTensor's own dispatch, this mode on
+                    return NotImplemented
                 self.dtensor_ops += 1
-            else:
+                self.inside += 1
+                try:
+                    with self:  # the mode again, to see the collectives DTensor issues
+                        return func(*args, **(kwargs or {}))
+                finally:
+                    self.inside -= 1
+            elif not self.inside:
                 self.ops += 1
             return func(*args, **(kwargs or {}))
 

@@ -364,6 +364,25 @@ def test_fsdp_steps_the_optimizer_on_dtensors_op_for_op_as_a_replica_on_tensors(
     assert fsdp["reductions"] == 3 and ddp["reductions"] == 0
 
 
+def test_the_collectives_dtensor_issues_inside_its_own_dispatch_are_counted():
+    """A tensor-parallel gpt_tiny rank (2 layers) all-reduces twice per layer in forward and
+    twice in backward, and its embedding's and its head's input in one direction each. The
+    loss over vocabulary-split logits (strategy.loss_parallel) adds three all-reduces over
+    [tokens, 1], issued inside DTensor's dispatch of the loss's operations; without it the
+    logits are all-gathered once. A real step's profile counts the same 13 (a width-128 gpt)."""
+    from framework.preflight.check import check
+
+    world = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.num_nodes=1"]
+    layers, found = 2, {}
+    for split in ("true", "false"):
+        tp = ["strategy=tensor", "strategy.tp=2", f"strategy.loss_parallel={split}"]
+        found[split] = check([*TINY, *tp, *world], quick=True).ranks[0].host
+    assert found["true"]["functional"] == 4 * layers + 2 + 3, found
+    assert found["false"]["functional"] == 4 * layers + 2 + 1, found
+    # the loss's local operations stay inside its DTensor calls: not counted as operations
+    assert found["true"]["ops"] < found["false"]["ops"], found
+
+
 def test_the_expert_layers_calls_are_counted_on_real_tensors():
     """moe_gpt's routed experts have data-dependent shapes, which fake tensors cannot run: the
     simulated rank's forward and backward are counted again on real tensors (same fake process
