@@ -155,6 +155,13 @@ class StrategyCapabilities(Protocol):
         buckets as the gradients become ready, or gathers prefetched ahead of the compute)."""
         return 1.0
 
+    @staticmethod
+    def data_collectives(cfg: Any, world: World, grads: int, params: int) -> int | None:
+        """Blocking collectives one step issues to keep the data-parallel ranks in step, given
+        the rank's bytes of gradients and of parameters (`fw plan` charges each its wait).
+        Default None: one per 25 MiB bucket of `data_traffic` (DDP's)."""
+        return None
+
 
 class LauncherCapabilities(Protocol):
     """Optional members of a launcher plugin module, each with its default here; validation

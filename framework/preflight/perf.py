@@ -192,12 +192,19 @@ def charged_collectives(layout: dict[str, Any]) -> dict[str, int]:
     they are issued: `c10d` (data-parallel buckets, a pipeline's receives) and `functional`
     (DTensor's, under tensor, expert and context parallelism)."""
     sizes, traffic = layout["group_sizes"], layout["traffic"]
-    c10d = math.ceil(traffic["data"] / BUCKET_BYTES) if sizes["data"] > 1 else 0
+    c10d = data_calls(layout) if sizes["data"] > 1 else 0
     c10d += layout["pipeline_receives"] if traffic["pipeline"] else 0
     functional = layout["tensor_collectives"] if sizes["tensor"] > 1 else 0
     functional += layout["expert_collectives"] if sizes["experts"] > 1 else 0
     functional += layout.get("context_collectives", 0) if traffic.get("context") else 0
     return {"c10d": c10d, "functional": functional}
+
+
+def data_calls(layout: dict[str, Any]) -> int:
+    """Blocking collectives a step issues for its data-parallel traffic: as many as its
+    strategy states (`data_collectives`), else one per 25 MiB bucket."""
+    stated = layout.get("data_collectives")
+    return int(stated) if stated else math.ceil(layout["traffic"]["data"] / BUCKET_BYTES)
 
 
 def issued_collectives(counts: dict[str, int], micro: int) -> dict[str, int]:
@@ -266,7 +273,7 @@ def exposed_comm(
     each blocking collective at its wait after `gap_s` of compute."""
     traffic, sizes = layout["traffic"], layout["group_sizes"]
     data = traffic["data"]
-    buckets = max(1, math.ceil(data / BUCKET_BYTES))
+    buckets = max(1, data_calls(layout))
     data_s = collective_s(data, buckets, sizes["data"], link_of("data", layout, device, gap_s))
     # the share the strategy sends during backward (`data_overlap`): all but its last bucket
     share = layout.get("data_overlap", 1.0)

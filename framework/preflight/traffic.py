@@ -178,6 +178,7 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
         "virtual_stages": virtual,
         "traffic": traffic(cfg, report),
         "data_overlap": float(capability(report.plugin, "data_overlap")(report.strategy, world)),
+        "data_collectives": data_collectives(report),
         "group_sizes": {
             "data": data_ranks,
             "tensor": tp,
@@ -201,6 +202,18 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
         # each simulated rank's host calls per step (simulate.RankMemory.host; perf's host term)
         "host_counts": [r.host for r in report.ranks],
     }
+
+
+def data_collectives(report: CheckReport) -> int | None:
+    """The blocking data-parallel collectives per step the strategy states for the rank with
+    the most gradients and parameters (None: one per bucket, perf.data_calls)."""
+    from framework.plugins import capability
+
+    grads = max(r.grads for r in report.ranks)
+    params = max(r.params for r in report.ranks)
+    return capability(report.plugin, "data_collectives")(
+        report.strategy, report.world, grads, params
+    )
 
 
 def pipeline_receives(pp: int, micro: int, virtual: int) -> int:

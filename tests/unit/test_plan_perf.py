@@ -164,6 +164,23 @@ def test_only_the_share_sent_during_backward_hides_behind_compute():
     assert predict(WORK, layout(traffic=data), H100).comm_s < half.comm_s
 
 
+def test_a_strategy_that_states_its_data_collectives_waits_for_each():
+    """ZeRO-1/2 (DeepSpeed) issue more blocking collectives a step than DDP's buckets: on a
+    calibrated CPU each waits, so the step's communication grows with their number."""
+    from framework.preflight.hardware import by_size
+    from framework.preflight.perf import charged_collectives
+
+    data = {"data": 2 * 2**20, "tensor": 0.0, "pipeline": 0.0, "experts": 0.0}
+    link = Link("measured", 1.0, 1e-3, {"1024": 1e-3, "1048576": 2e-3})
+    device = Device(**{**CPU.__dict__, "intra": link, "inter": link})
+    ddp = layout(traffic=data, group_sizes={"data": 2}, data_overlap=0.0)
+    zero = {**ddp, "data_collectives": 4}
+    assert charged_collectives(ddp)["c10d"] == 1 and charged_collectives(zero)["c10d"] == 4
+    one, four = predict(WORK, ddp, device).comm_s, predict(WORK, zero, device).comm_s
+    assert one == pytest.approx(2e-3)  # one call of 2 MiB
+    assert four == pytest.approx(4 * by_size(link.allreduce_s, 2 * 2**20 / 4, 0.0))
+
+
 def test_optimizer_step_is_memory_bound():
     states = {"params": 4e9, "grads": 4e9, "optimizer": 8e9}
     pred = predict(WORK, layout(state_bytes=states), H100)

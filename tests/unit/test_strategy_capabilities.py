@@ -29,6 +29,7 @@ def test_a_plugin_without_capabilities_gets_the_defaults():
     assert capability(bare, "saves_async")(cfg, world) is False
     assert capability(bare, "data_traffic")(cfg, world, 10, 99) == 20
     assert capability(bare, "data_overlap")(cfg, world) == 1.0
+    assert capability(bare, "data_collectives")(cfg, world, 10, 99) is None  # DDP's buckets
     replica = object()
     assert capability(bare, "model_states")(cfg, world, replica, "32-true") == (replica, None)
     with pytest.raises(AttributeError):
@@ -48,6 +49,11 @@ def test_the_builtin_answers():
     overlap = capability(zero, "data_overlap")
     # the parameters' all-gather follows the optimizer step; on the CPU overlap_comm is off
     assert (overlap(stage1, world), overlap(stage3, world)) == (0.5, 1.0)
+    calls = capability(zero, "data_collectives")
+    # a bucket of gradients reduced, the overflow check, the norm, a bucket of parameters gathered
+    assert calls(stage1, world, 10, 80) == 4
+    assert calls(stage1, world, 10, 4 * stage1.bucket_size + 1) == 2 * 2 + 2
+    assert calls(stage3, world, 10, 80) is None
     cpu = World(8, 8, 1, "cpu")
     assert (overlap(stage1, cpu), overlap(stage3, cpu)) == (0.0, 0.0)
     off = {"zero_optimization": {"overlap_comm": False}}
