@@ -40,9 +40,12 @@ def traffic(cfg: DictConfig, report: CheckReport) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, by the group that sends them: `data` (the
     plugin's data-parallel bytes), `tensor`, `pipeline`, `experts`, `context` (the module
     docstring); of the rank with the most gradients and parameters."""
-    grads = max(r.grads for r in report.ranks)  # this rank's share of the gradients
-    params = max(r.params for r in report.ranks)
-    return sent_by(cfg, report, grads, params)
+    return sent_by(cfg, report, *largest_states(report))
+
+
+def largest_states(report: CheckReport) -> tuple[int, int]:
+    """The most gradient bytes and the most parameter bytes a checked rank holds."""
+    return max(r.grads for r in report.ranks), max(r.params for r in report.ranks)
 
 
 def rank_traffic(cfg: DictConfig, report: CheckReport, rank: RankMemory) -> dict[str, float]:
@@ -209,11 +212,8 @@ def data_collectives(report: CheckReport) -> int | None:
     the most gradients and parameters (None: one per bucket, perf.data_calls)."""
     from framework.plugins import capability
 
-    grads = max(r.grads for r in report.ranks)
-    params = max(r.params for r in report.ranks)
-    return capability(report.plugin, "data_collectives")(
-        report.strategy, report.world, grads, params
-    )
+    stated = capability(report.plugin, "data_collectives")
+    return stated(report.strategy, report.world, *largest_states(report))
 
 
 def pipeline_receives(pp: int, micro: int, virtual: int) -> int:
