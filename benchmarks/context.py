@@ -81,7 +81,7 @@ LLAMA_8B = {
     "rope_theta": 500000.0,
 }
 H100 = "H100"
-HEADROOM = 0.9  # of the device's memory, as fw plan counts it (framework/preflight/plan.py)
+HEADROOM = 0.9  # of the device's memory, as fw plan counts it (framework/preflight/planner.py)
 
 
 class PeakMemory(pl.Callback):

@@ -131,7 +131,7 @@ LOAD_SHARD = "50MB"
 FROM_PRETRAINED = """
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM  # imported before the clock
-from framework.nn.hf_load import peak_rss, reset_peak_rss
+from framework.integrations.hf.pretrained import peak_rss, reset_peak_rss
 start, rss0 = time.perf_counter(), reset_peak_rss()
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 loaded = {"peak_rss_delta": peak_rss() - rss0, "seconds": time.perf_counter() - start}

@@ -65,8 +65,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import FW, ROOT, load_average, save_results
-from framework import checkpointing
-from framework.launchers.signals import child_pids
+from framework.checkpoint import disk
+from framework.launch.signals import child_pids
 
 STEPS = 24
 COMMON = [
@@ -224,14 +224,12 @@ def trial(
     if mode == "mid-save":
         # a save after the first: the restart must resume from the one before the damaged one
         hit = wait(
-            lambda: ckpts.is_dir() and any(ckpts.glob("*.tmp")) and checkpointing.listing(ckpts),
+            lambda: ckpts.is_dir() and any(ckpts.glob("*.tmp")) and disk.listing(ckpts),
             proc,
         )
         killed_at = time.monotonic() if hit and kill_one(proc, rng) else None
     elif mode == "commit":
-        hit = wait(
-            lambda: any(s > step for s, _ in checkpointing.listing(ckpts)), proc, period=0.001
-        )
+        hit = wait(lambda: any(s > step for s, _ in disk.listing(ckpts)), proc, period=0.001)
         if hit:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -267,7 +265,7 @@ def trial(
                     kills += kill_one(proc, rng)
     # the newest complete checkpoint when the new workers start: they must resume from it (or a
     # later one), never start afresh; the same losses alone would not tell
-    newest = checkpointing.listing(ckpts) if killed_at is not None else []
+    newest = disk.listing(ckpts) if killed_at is not None else []
     floor = newest[0][0] if newest else 0
     resumed_s = None
     if killed_at is not None:  # the next step logged by the new workers
@@ -277,7 +275,7 @@ def trial(
         metrics = run / "metrics.csv"
         # the new rank 0 first cuts metrics.csv back to the steps before the checkpoint it
         # resumes from, then logs that step once trained
-        newest = checkpointing.listing(run / "checkpoints")
+        newest = disk.listing(run / "checkpoints")
         resume_step = newest[0][0] if newest else 0
         cut = wait(lambda: metrics.exists() and metrics.stat().st_mtime > since, proc, period=0.02)
         trained = cut and wait(
@@ -288,8 +286,8 @@ def trial(
     got = rows(run)
     corrupt = [
         f"{p.name}: {problem}"
-        for _, p in checkpointing.listing(run / "checkpoints")
-        if (problem := checkpointing.verify(p)) is not None
+        for _, p in disk.listing(run / "checkpoints")
+        if (problem := disk.verify(p)) is not None
     ]
     result = {
         "strategy": label,
@@ -355,8 +353,8 @@ def nan_trial(strategy: str, seed: int, root: Path, reference: list) -> dict:
         "resumed": True,  # nothing restarts
         "corrupt": [
             f"{p.name}: {problem}"
-            for _, p in checkpointing.listing(run / "checkpoints")
-            if (problem := checkpointing.verify(p)) is not None
+            for _, p in disk.listing(run / "checkpoints")
+            if (problem := disk.verify(p)) is not None
         ],
         "resumed_s": None,
         "ended_s": None,

@@ -53,10 +53,10 @@ ROWS = [
 def count(shape: dict, batch: int, checkpointing: str) -> tuple[Work, int]:
     """One replica's forward and backward on `batch` x SEQ tokens, counted on fake tensors,
     each decoder layer checkpointed as `trainer.activation_checkpointing=<checkpointing>` does
-    (framework/nn/transforms.py); and the parameter count."""
+    (framework/parallel/transforms.py); and the parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from framework.nn.transforms import checkpoint_block
+    from framework.parallel.transforms import checkpoint_block
     from framework.preflight.fakes import fake_mode
 
     config = LlamaConfig(
@@ -65,7 +65,7 @@ def count(shape: dict, batch: int, checkpointing: str) -> tuple[Work, int]:
         rope_theta=500000.0,
         use_cache=False,
         **shape,
-    )  # no key/value cache in training (framework/nn/transforms.py's keep_no_cache)
+    )  # no key/value cache in training (framework/parallel/transforms.py's keep_no_cache)
     config._attn_implementation = "sdpa"
     mode = fake_mode()
     default = torch.get_default_dtype()
@@ -125,7 +125,7 @@ def checkpoint_every_other_matmul(layer) -> None:
 
 
 def layout(gpus: int, fsdp: int, tp: int, batch: int, params: int, shape: dict, dtype: str):
-    """The facts `predict` takes, from the plan's formulas (framework/preflight/plan.py)."""
+    """The facts `predict` takes, from the plan's formulas (framework/preflight/planner.py)."""
     device = DEVICES["H100 SXM"]
     grads = 2 * params / tp / fsdp  # the rank's bf16 gradient shard
     act = batch * SEQ * shape["hidden_size"] * 2

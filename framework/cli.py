@@ -166,7 +166,7 @@ EXPORT_OPTIONS = ("--format", "--max-shard-size", "--force", "--trust")
 
 
 def export_command(args: list[str]) -> int:
-    from framework.export import export
+    from framework.checkpoint.export import export
 
     options: dict[str, str | None] = {"--format": None, "--max-shard-size": None}
     flags, paths, words = set(), [], iter(args)

@@ -15,7 +15,7 @@ train DataLoader's `batch_size`, read in the worker when training starts (any da
 whatever its arguments are called). Warm-up stays `task.scheduler.warmup_steps` optimizer steps.
 
 The config is checked here, in the `fw` process; the factor is applied in the workers by the
-callback in `framework.callbacks._lr_scaling` (added only under `linear` and `sqrt`). Importing
+callback in `framework.runtime.lr_scaling` (added only under `linear` and `sqrt`). Importing
 this module imports no torch.
 """
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import pkgutil
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -76,7 +75,7 @@ class StrategyPlugin(Protocol):
     def checkpoint_format(self, cfg: Any, world: World) -> str:
         """The layout of the checkpoints this strategy writes (recorded in meta.json as
         "format"): `lightning`, `deepspeed`, `dcp`, `dcp_flat`, or a new one that
-        framework/portable.py and framework/export.py read."""
+        framework/checkpoint/portable.py and framework/checkpoint/export.py read."""
 
     def check_move(self, cfg: Any, source: str) -> None:
         """Raise ConfigError when this strategy cannot take in a checkpoint written by another
@@ -148,6 +147,13 @@ class StrategyCapabilities(Protocol):
         return 2 * grads
 
     @staticmethod
+    def plan_candidates(gpus: int, tp_limit: int) -> list[tuple[str, list[str]]]:
+        """The layouts `fw plan` tries for this plugin over `gpus` processes, as (label,
+        overrides), tensor parallel at most `tp_limit` (within a node). Default: none, the
+        plugin is not proposed (it is still checked when the config chooses it)."""
+        return []
+
+    @staticmethod
     def data_overlap(cfg: Any, world: World) -> float:
         """The share of the data-parallel bytes (`data_traffic`) sent while backward still
         computes (`fw plan`'s communication term hides all of that share but its last bucket
@@ -176,7 +182,34 @@ class LauncherCapabilities(Protocol):
         return False
 
 
-CAPABILITIES = {"strategy": StrategyCapabilities, "launcher": LauncherCapabilities}
+class LoggerCapabilities(Protocol):
+    """Optional members of a logger plugin module, each with its default here; validation and
+    `fw sweep` call them through `capability(module, name, "logger")`."""
+
+    @staticmethod
+    def metrics_file(cfg: Any) -> str | None:
+        """The file in the run directory holding one row per logged step (`fw sweep` reads each
+        trial's metric there). Default: None, the logger writes no such file."""
+        return None
+
+    @staticmethod
+    def check_job(cfg: Any, name: str, job: Any) -> None:
+        """Raise ConfigError for a setting that the rest of the job's config (`job`, the composed
+        DictConfig) cannot serve, e.g. checkpoints uploaded without a checkpoint callback.
+        `name`: the entry's name (`logger.<name>`). Default: nothing to check."""
+
+    @staticmethod
+    def groups_runs(cfg: Any) -> bool:
+        """Whether the logger groups runs by a `group` field left unset here, which `fw sweep`
+        sets to the study's name for every trial. Default: False."""
+        return False
+
+
+CAPABILITIES = {
+    "strategy": StrategyCapabilities,
+    "launcher": LauncherCapabilities,
+    "logger": LoggerCapabilities,
+}
 
 
 def capability(module: ModuleType, name: str, family: str = "strategy") -> Callable[..., Any]:
@@ -202,7 +235,7 @@ def describe_strategy(config: dict[str, Any]) -> str:
 class CheckpointUploader(Protocol):
     """Optional methods of the lightning Logger a logger plugin's `build` returns: a logger that
     has them is handed each committed checkpoint (W&B's `log_model`). Called on rank 0 by the
-    checkpoint callback (framework/callbacks/_checkpointer.py)."""
+    checkpoint callback (framework/callbacks/checkpoint/callback.py)."""
 
     def log_checkpoint(self, path: Path, meta: dict[str, Any], best: bool) -> None:
         """A checkpoint directory was committed (`meta`: its meta.json; `best`: it beats every
@@ -297,17 +330,19 @@ def required_names(family: str) -> list[str]:
     return [*protocol.__annotations__, *hooks]
 
 
-def builtin_kinds(family: str) -> list[str]:
-    """Names of the plugin modules shipped with the framework for one family."""
-    package = importlib.import_module(FAMILIES[family])
-    return sorted(
-        m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_")
-    )
+def builtin_kinds(family: str, ordered: bool = False) -> list[str]:
+    """Names of the plugins shipped with the framework for one family (its package's `KINDS`:
+    a module of the package that is not listed there is a helper, never a kind), sorted, or in
+    the family's own order."""
+    kinds = list(importlib.import_module(FAMILIES[family]).KINDS)
+    return kinds if ordered else sorted(kinds)
 
 
 def load_plugin(family: str, kind: str, key: str) -> ModuleType:
     """The module implementing `kind`, or a ConfigError naming `key` and the valid kinds."""
     name = kind if "." in kind else f"{FAMILIES[family]}.{kind}"
+    if "." not in kind and kind not in builtin_kinds(family):
+        raise ConfigError(key, kind, f"no {family} plugin of that kind", builtin_kinds(family))
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as err:

@@ -21,10 +21,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import checkpointing, external, files, resume
+from framework import external, files
+from framework.checkpoint import disk, resume
 from framework.config.compose import compose_config, expand_sweeps
 from framework.config.job_plan import JobPlan
-from framework.config.validate import validate
+from framework.config.validate import plan_job
 from framework.context import flatten, load_run_state
 from framework.errors import EXIT_PREEMPTED, EXIT_TERMINATED, ConfigError
 from framework.plugins import load_plugin, typed_config
@@ -55,14 +56,14 @@ class Job:
         return self.plan.world
 
 
-def plan(
+def make_jobs(
     overrides: list[str],
     multirun: bool = False,
     extra_dirs: list[Path] | None = None,
     trust: bool = False,
 ) -> list[Job]:
     """Compose, resolve and validate every job of the command before any of them starts
-    (`trust`: resume from a checkpoint that framework.safe_load refuses)."""
+    (`trust`: resume from a checkpoint that framework.checkpoint.safe refuses)."""
     enclosing = external.job_id()  # torchrun's or SLURM's
     if multirun and enclosing:
         raise ConfigError("-m", "multirun", "a sweep cannot run inside a torchrun/SLURM job")
@@ -79,7 +80,7 @@ def plan(
             run_dir = run_dir / str(number)
         cfg.run.dir = str(run_dir.resolve())
         resolve(cfg)
-        validated = validate(cfg)
+        validated = plan_job(cfg)
         if enclosing:
             external.check_world(validated.world)
         jobs.append(Job(validated, Path(cfg.run.dir), group=group))
@@ -155,7 +156,7 @@ def write_config(job: Job, state: bool = True) -> Path:
     path = job.run_dir / "config.yaml"
     if state:
         write_run_state(job)
-    checkpointing.write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(redacted_config(job))))
+    disk.write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(redacted_config(job))))
     return path
 
 
@@ -168,7 +169,7 @@ def write_run_state(job: Job) -> None:
     agent = os.environ.get("WANDB_RUN_ID") if job.group is None else None
     state.setdefault("run_id", agent or new_run_id())
     state["group"] = state.get("group") or job.group
-    checkpointing.write_json_atomic(job.run_dir / "run.json", state)
+    disk.write_json_atomic(job.run_dir / "run.json", state)
 
 
 def redacted_config(job: Job) -> dict:
@@ -228,7 +229,7 @@ def train(
     trust: bool = False,
 ) -> None:
     """Plan every job, then run them one after another; a failed job does not stop the sweep."""
-    jobs = plan(overrides, multirun, extra_dirs, trust)
+    jobs = make_jobs(overrides, multirun, extra_dirs, trust)
     failed = []
     for number, job in enumerate(jobs):
         if multirun:

@@ -6,7 +6,7 @@ front of the Lightning class gives that strategy what the worker and the callbac
 
 - `inputs` kept on the strategy (its `__init__` takes `inputs=` before Lightning's arguments);
 - resuming from a checkpoint written in another layout or process count (`inputs.move_from`):
-  the checkpoint is read as one full state (`framework.portable`) and handed to the strategy's
+  the checkpoint is read as one full state (`framework.checkpoint.portable`) and handed to the strategy's
   own `load_portable(state)`, which copies it into its sharding;
 - the once-per-optimizer-step work after the last backward of a step (`before_optimizer_step`:
   mixture-of-experts load balancing, and each strategy's own gradient work);
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from framework import portable
-    from framework.nn.transforms import ModelTransforms
+    from framework.checkpoint import portable
+    from framework.parallel.transforms import ModelTransforms
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class StrategyBase:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         if self.inputs.move_from is None:
             return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
-        from framework import portable
+        from framework.checkpoint import portable
 
         state = portable.read(self.inputs.move_from)
         self.load_portable(state)
@@ -152,7 +152,7 @@ class Replicated(StrategyBase):
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self.inputs.move_from is None:
             return super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
-        from framework import portable
+        from framework.checkpoint import portable
 
         names = self.parameter_names()
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):  # type: ignore[attr-defined]

@@ -61,9 +61,9 @@ class Terminated(RuntimeError):
 
 
 def terminated_message(run_dir: Path) -> str:
-    from framework import checkpointing
+    from framework.checkpoint import disk
 
-    newest = checkpointing.listing(run_dir / "checkpoints")
+    newest = disk.listing(run_dir / "checkpoints")
     then = (
         f"the same command continues from the newest checkpoint (step {newest[0][0]})"
         if newest
@@ -94,12 +94,12 @@ def entry(
     srun or SLURM started; "fork" or "spawn" for a worker process that launcher=local started,
     which then dies with its parent and ends with exit code 75 when preempted (what the
     launcher reads). A preemption (a checkpoint saved on SIGTERM/SIGUSR1/SIGUSR2) otherwise
-    raises callbacks._checkpointer.Preempted (`fw` exits 75), or, when `on_preempted` is given,
+    raises callbacks.checkpoint.callback.Preempted (`fw` exits 75), or, when `on_preempted` is given,
     is handed to it (launcher=slurm requeues the job).
     """
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from framework.callbacks._checkpointer import Preempted
+    from framework.callbacks.checkpoint.callback import Preempted
 
     if started not in STARTS:
         raise ValueError(f"started={started!r}: one of {', '.join(STARTS)}")
@@ -152,14 +152,14 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     setup_logging()
     import lightning.pytorch as pl
 
-    from framework import checkpointing
-    from framework.callbacks._checkpointer import STATE_FILE, Checkpointer, Preempted
-    from framework.callbacks._elastic import callbacks as elastic_callbacks
-    from framework.callbacks._lr_scaling import callbacks as scaling_callbacks
-    from framework.callbacks._vote import vote_on_sigterm
+    from framework.callbacks.checkpoint.callback import STATE_FILE, Checkpointer, Preempted
+    from framework.checkpoint import disk
+    from framework.checkpoint.resume import needs_move
     from framework.config.elastic import fit_plan
-    from framework.nn.transforms import ModelTransforms
-    from framework.resume import needs_move
+    from framework.parallel.transforms import ModelTransforms
+    from framework.runtime.elastic import callbacks as elastic_callbacks
+    from framework.runtime.lr_scaling import callbacks as scaling_callbacks
+    from framework.runtime.vote import vote_on_sigterm
 
     quiet_lightning()
     # an elastic job that lost a node: the smaller world, with the global batch kept
@@ -176,7 +176,7 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = build_task(cfg.task)
     data = instantiate_args(cfg.task.data)
-    saved = checkpointing.read_meta(resume_from) if resume_from else {}
+    saved = disk.read_meta(resume_from) if resume_from else {}
     moved = resume_from is not None and needs_move(saved, plan.checkpoint_format, world.world_size)
     inputs = StrategyInputs(
         transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
@@ -255,7 +255,7 @@ def make_trainer(
     if trainer_cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     if "profiler" not in trainer_args:  # no profiler asked for: the no-op one, minus its cost
-        from framework.callbacks._hooks import QuietProfiler
+        from framework.runtime.hooks import QuietProfiler
 
         trainer_args["profiler"] = QuietProfiler()
     return pl.Trainer(
@@ -275,11 +275,11 @@ def make_trainer(
 def make_context(plan: JobPlan, run_dir: Path, resume_from: Path | None) -> RunContext:
     """What the logger and callback plugins are built with: the run's identity, where it
     resumes, and the plan's layout."""
-    from framework import checkpointing
+    from framework.checkpoint import disk
 
     cfg = plan.cfg
     state = load_run_state(run_dir)
-    step = checkpointing.read_meta(resume_from)["step"] if resume_from else 0
+    step = disk.read_meta(resume_from)["step"] if resume_from else 0
     plain = OmegaConf.to_container(cfg, resolve=True)
     pattern = secrets.key_pattern(cfg.run.secret_keys)
     hidden = secrets.values_under_secret_keys(plain, pattern) | secrets.environment_credentials()

@@ -1,6 +1,6 @@
 """The global batch of an elastic job (`launcher.min_nodes` below `trainer.num_nodes`).
 
-When a node is lost the job continues on fewer nodes (framework.launchers.elastic), with the same
+When a node is lost the job continues on fewer nodes (framework.launch.elastic), with the same
 global batch: data-parallel ranks x per-rank batch x `trainer.accumulate_grad_batches`. Fewer
 ranks take a larger per-rank batch (`task.data.batch_size`, when the data module has one) with
 the same accumulation, so each optimizer step sees the same samples, the learning rate stays as

@@ -1,6 +1,6 @@
 """The job plan: what validation works out from a composed config, made once per process.
 
-`validate` (framework/config/validate.py) makes it in the `fw` process after its checks: the
+`plan_job` (framework/config/validate.py) makes it in the `fw` process after its checks: the
 resolved config, the process layout (`World`), the strategy plugin with its typed config and
 what the plugin says of it (its degrees on one mesh, the layout in words, the checkpoint
 format, this rank's place among the data ranks, whether it saves in the background), and the

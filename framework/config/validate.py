@@ -27,7 +27,7 @@ from framework.world import World, cuda_device_count
 NAMED_FAMILIES = ("logger", "callbacks")  # groups whose entries are `name: {kind or _target_}`
 
 
-def validate(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
+def plan_job(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     """Validate a composed, resolved config; returns the job's plan (framework/config/job_plan.py),
     which the runner hands on instead of deriving anything again. `here=False` (`fw check`)
     validates it for the machines it names, not this one: `auto` means CUDA, and neither the
@@ -50,7 +50,7 @@ def validate(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     check_batches(cfg.trainer, data, plan.data_parallel[1])
     if not plan.saves_async:
         check_foreground_saves(cfg, plan.checkpoint_format)
-    check_log_model(cfg)
+    check_loggers(cfg)
     if here:  # the services the job needs answer now (fw check and fw plan only predict)
         capability(plugin, "check_services")(strategy, world)
         launcher.validate(launcher_cfg, world)
@@ -75,35 +75,15 @@ def check_foreground_saves(cfg: DictConfig, ckpt_format: str) -> None:
         )
 
 
-def check_log_model(cfg: DictConfig) -> None:
-    """A W&B logger that uploads checkpoints needs checkpoints, and `best` needs a ranking."""
-    ckpt = (cfg.get("callbacks") or {}).get("checkpoint")
+def check_loggers(cfg: DictConfig) -> None:
+    """Each built-in logger's settings against the rest of the job (its plugin's `check_job`:
+    e.g. W&B's checkpoint uploads need checkpoints)."""
     for name, entry in (cfg.get("logger") or {}).items():
-        if not isinstance(entry, DictConfig) or entry.get("kind") != "wandb":
+        if not isinstance(entry, DictConfig) or "kind" not in entry:
             continue
-        which = entry.get("log_model", "none")
-        if which == "none":
-            continue
-        if ckpt is None:
-            raise ConfigError(
-                f"logger.{name}.log_model",
-                which,
-                "no checkpoints are saved to upload: callbacks.checkpoint is off",
-                ["none"],
-                near="",
-                hint="Keep the checkpoint callback (it is in the default callbacks), or "
-                f"logger.{name}.log_model=none.",
-            )
-        if which == "best" and not ckpt.get("monitor"):
-            raise ConfigError(
-                f"logger.{name}.log_model",
-                which,
-                "'best' ranks checkpoints by callbacks.checkpoint.monitor, which is not set",
-                ["none", "last", "all"],
-                near="",
-                hint="Name the metric, e.g. callbacks.checkpoint.monitor=val/loss "
-                "(callbacks.checkpoint.mode=min|max).",
-            )
+        plugin = load_plugin("logger", entry.kind, f"logger.{name}.kind")
+        typed = typed_config(plugin, entry, f"logger.{name}")
+        capability(plugin, "check_job", "logger")(typed, name, cfg)
 
 
 def check_world(cfg: DictConfig, elsewhere: bool = False) -> World:

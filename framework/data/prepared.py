@@ -40,7 +40,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from framework.checkpointing import write_text_atomic
+from framework.checkpoint.disk import write_text_atomic
 from framework.errors import ConfigError
 
 MANIFEST = "fw_prepared.json"

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from framework.checkpointing import write_text_atomic
+from framework.checkpoint.disk import write_text_atomic
 from framework.errors import ConfigError
 
 log = logging.getLogger(__name__)

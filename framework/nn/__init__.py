@@ -2,7 +2,7 @@
 
 A model built from these blocks runs unchanged under `strategy=tensor`, `strategy=fsdp_tp` or any
 `strategy.tp > 1`: the strategy asks every module with a `tp_plan()` method for its plan and
-applies it on the tensor-parallel mesh (`framework.nn.plan.apply_tensor_parallel`). A module not
+applies it on the tensor-parallel mesh (`framework.parallel.tensor.apply_tensor_parallel`). A module not
 built from them can declare a plan the same way (a `tp_plan()` method), or the config can give
 one (`strategy.tp_plan`).
 """
@@ -16,7 +16,7 @@ from framework.nn.blocks import (
     SequenceSplit,
     TransformerBlock,
 )
-from framework.nn.plan import apply_tensor_parallel, full_tensor
+from framework.nn.functional import cross_entropy, full_tensor
 
 __all__ = [
     "MLP",
@@ -26,6 +26,6 @@ __all__ = [
     "LayerNorm",
     "SequenceSplit",
     "TransformerBlock",
-    "apply_tensor_parallel",
+    "cross_entropy",
     "full_tensor",
 ]

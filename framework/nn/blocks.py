@@ -14,12 +14,12 @@ all-gather (before the next column-split one): the same bytes, less activation m
 `SequenceSplit` marks where the residual stream enters that region; the LM head gathers it.
 
 Under context parallel (`strategy.cp > 1`) each rank holds chunks of every sequence:
-`parallelize` gives `Attention` and `SequenceSplit` a `context` plan (framework/nn/context.py),
+`parallelize` gives `Attention` and `SequenceSplit` a `context` plan (framework/parallel/context/__init__.py),
 by which attention reaches the other ranks' keys and values and the position ids follow the
 split.
 
 Each `tp_plan(sequence_parallel)` returns {submodule name: style name (or a torch ParallelStyle)},
-relative to the block itself; the styles are described in `framework.nn.plan.style`.
+relative to the block itself; the styles are described in `framework.parallel.tensor.style`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Attention(nn.Module):
     """Causal multi-head self-attention; heads are split over the tensor-parallel ranks, the
     sequence over the context-parallel ones."""
 
-    context = None  # a framework.nn.context.ContextPlan under context parallel
+    context = None  # a framework.parallel.context.ContextPlan under context parallel
 
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
@@ -100,7 +100,7 @@ class SequenceSplit(nn.Identity):
     """
 
     multiple = 1
-    context = None  # a framework.nn.context.ContextPlan under context parallel
+    context = None  # a framework.parallel.context.ContextPlan under context parallel
 
     def positions(self, length: int, device) -> torch.Tensor:
         """Position ids of the `length` positions this rank holds (its chunks under context

@@ -16,7 +16,7 @@ the same for any degree, so are the losses (dropless routing, fp32 scores).
   per expert (`capacity_factor`) beyond which tokens are dropped (they pass through as zeros).
 - `ExpertDispatch` (what every MoE layer shares: the sort by expert, the all-to-all, the
   combine) and `LoadCounter` (what balancing and the metrics read of a router): also the base of
-  transformers' sparse MoE blocks as swapped by framework.nn.hf_moe.
+  transformers' sparse MoE blocks as swapped by framework.integrations.hf.sparse_moe.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 processes; `ep` and `cp` do not add processes: they borrow their ranks from `fsdp`. (Tensor-parallel
 ranks hold the same tokens, so they keep whole experts and are not borrowed: each of them runs the
 same expert computation.) The ranks of a context-parallel group read the same batch and each keeps
-two chunks of its sequences (framework/nn/context.py); FSDP still shards over all the fsdp ranks,
+two chunks of its sequences (framework/parallel/context/__init__.py); FSDP still shards over all the fsdp ranks,
 so borrowing them costs no parameter memory.
 
 The processes form one mesh, outermost first (pp, dp, fsdp, tp): tensor parallel is innermost

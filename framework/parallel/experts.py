@@ -22,8 +22,8 @@ from torch import nn
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The mixture-of-experts layers of a model (framework.nn.moe.MoE, and transformers' sparse
-    MoE blocks once framework.nn.hf_moe has swapped them), in module order."""
+    """The mixture-of-experts layers of a model (framework.nn.moe.MoE, and a model family's MoE
+    blocks once its adapter has swapped them), in module order."""
     from framework.nn.moe import ExpertDispatch
 
     return [m for m in model.modules() if isinstance(m, ExpertDispatch)]
@@ -32,14 +32,15 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> set[nn.Parameter]:
     """Keep this rank's experts of every MoE layer (as Shard(0) DTensors over `ep_mesh`) and give
     each layer its all-to-all group; returns the expert parameters (for FSDP to ignore).
-    transformers' sparse MoE blocks are swapped for framework layers first (the parallel
-    strategy did it already, before its callbacks' setup; fw check's simulation does it here)."""
+    A model family's MoE blocks (transformers' sparse ones) are swapped for framework layers
+    first (the parallel strategy did it already, before its callbacks' setup; fw check's
+    simulation does it here)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from framework.nn.hf_moe import swap_sparse_blocks
+    from framework.parallel.model import adapter_for
 
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    swap_sparse_blocks(model, size)
+    adapter_for(model).swap_experts(model, size)
     experts: set[nn.Parameter] = set()
     for moe in moe_layers(model):
         moe.set_expert_parallel(ep_mesh.get_group(), size, rank)

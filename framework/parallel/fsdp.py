@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from framework.nn.transforms import layers
+from framework.parallel.transforms import layers
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@
 3. expert parallel on the `ep` view (ep > 1): each rank keeps its share of every MoE layer's
    experts (framework/parallel/experts.py); context parallel on the `cp` view (cp > 1): the
    attention modules get the plan by which they reach the other chunks of their sequences
-   (framework/nn/context.py; transformers models: framework/nn/hf_context.py; no parameter
-   changes);
+   (framework/parallel/context; a model family's own attention through its adapter,
+   framework/parallel/model.py; no parameter changes);
 4. activation checkpointing and compile, per block;
 5. FSDP2 over the data views (dp x fsdp > 1): shard over `fsdp`, replicate over `dp` (hybrid
    when both are above 1), with the pipeline stages as roots under a pipeline; the experts of
@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from framework.nn import pipeline
-from framework.nn.context import apply_context_parallel
-from framework.nn.hf_context import attach as attach_transformers
-from framework.nn.plan import apply_tensor_parallel
-from framework.nn.transforms import ModelTransforms
+from framework.parallel import pipeline
+from framework.parallel.context import apply_context_parallel
 from framework.parallel.dims import JobMesh, ParallelDims
 from framework.parallel.fsdp import FSDPSettings, apply_fsdp, shard_experts
+from framework.parallel.model import adapter_for
+from framework.parallel.tensor import apply_tensor_parallel
+from framework.parallel.transforms import ModelTransforms
 
 
 @dataclass(frozen=True)
 class TensorParallelSettings:
-    """How tensor parallel splits the task (see framework.nn.plan)."""
+    """How tensor parallel splits the task (see framework.parallel.tensor)."""
 
     plan: dict[str, str] = field(default_factory=dict)  # extra 'module: style' entries
     sequence_parallel: bool = False
@@ -68,7 +68,7 @@ def parallelize(
 ) -> dict[int, nn.Module]:
     """Make `task` parallel in place, every tensor of it on `device` (None: left where it is);
     returns this rank's stage modules by id (pp > 1), else {}. `cp_mode`: context-parallel
-    attention (cp > 1), one of framework.nn.context.MODES."""
+    attention (cp > 1), one of framework.parallel.context.MODES."""
     from framework.parallel.experts import apply_expert_parallel
     from framework.parallel.placement import to_device
 
@@ -86,7 +86,8 @@ def parallelize(
     experts = apply_expert_parallel(task, mesh["ep"]) if dims.ep > 1 else set()
     if dims.cp > 1:
         plan = apply_context_parallel(task, mesh["cp"].get_group(), cp_mode)
-        attach_transformers(task, plan)  # their attention, positions and labels follow it
+        # a model family's own attention, positions and labels follow it (transformers')
+        adapter_for(task).attach_context(task, plan)
     transforms.apply(task)
     stages = {s: pipeline.Stage(task, cut.layers(s)) for s in cut.mine} if cut else {}
     # the ranks holding the same experts shard them; with one such rank too when a mixed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from framework import portable
+from framework.checkpoint import portable
 
 
 @contextlib.contextmanager
@@ -28,7 +28,7 @@ def without_empty_groups(optimizers):
 
 
 def load_full_state(model, optimizers, state: portable.Portable, names: dict[int, str]) -> None:
-    """Copy a full, name-keyed state (framework.portable) into FSDP2 / tensor-parallel shards.
+    """Copy a full, name-keyed state (framework.checkpoint.portable) into FSDP2 / tensor-parallel shards.
 
     `names` maps id(parameter) to its name in `model`, for matching optimizer param groups.
     """

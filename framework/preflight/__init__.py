@@ -46,6 +46,6 @@ __all__ = ["check_command", "plan_command", "take_option"]
 def plan_command(args: list[str], parse) -> int:
     """`fw plan --gpus N [--gpu NAME | --hardware FILE | --gpu-mem SIZE] [--tokens T]
     [--price-per-gpu-hour P] [--sort time|cost|simplicity] [--json] [--measure K] OVERRIDES`."""
-    from framework.preflight.plan import plan_command as run
+    from framework.preflight.planner import plan_command as run
 
     return run(args, parse)

@@ -142,7 +142,7 @@ def trainer_step_s(torch, steps: int = 60) -> float:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from framework.callbacks._hooks import QuietProfiler
+    from framework.runtime.hooks import QuietProfiler
 
     class Probe(pl.LightningModule):
         def __init__(self) -> None:

@@ -2,7 +2,7 @@
 the failures its workers would meet, found in this one process before anything is queued.
 
 The config is composed and validated as `fw train` does, for the machines it names (see
-`validate(here=False)`), then representative ranks (the first and last rank of each pipeline
+`plan_job(here=False)`), then representative ranks (the first and last rank of each pipeline
 position) are run one step each on the fake backend (framework/preflight/simulate.py). What the
 check needs from a strategy it asks the plugin (`framework.plugins.StrategyCapabilities`): its
 degrees on one mesh, or, for a strategy that keeps a whole replica per process, one replica run
@@ -82,13 +82,13 @@ def composed(overrides: list[str], extra_dirs: list[Path] | None) -> tuple[DictC
     """The composed, resolved config and the plan its validation made (for the machines it
     names)."""
     from framework.config.compose import compose_config
-    from framework.config.validate import validate
+    from framework.config.validate import plan_job
     from framework.runner import resolve
 
     cfg = compose_config(overrides, extra_dirs)
     cfg.run.dir = str(Path(cfg.run.dir or "runs/check").resolve())
     resolve(cfg)
-    return cfg, validate(cfg, here=False)
+    return cfg, plan_job(cfg, here=False)
 
 
 def first_batch(cfg: DictConfig, plan: JobPlan) -> Any:
@@ -138,7 +138,7 @@ def representative(dims, chosen: list[int] | None, quick: bool = False) -> list[
 def simulate(
     cfg: DictConfig, plan: JobPlan, batch: Any, chosen: list[int] | None, quick: bool = False
 ) -> CheckReport:
-    from framework.nn.transforms import ModelTransforms
+    from framework.parallel.transforms import ModelTransforms
     from framework.plugins import capability
     from framework.preflight import simulate as sim
 
@@ -188,7 +188,7 @@ def check_placement(cfg: DictConfig, plan: JobPlan, batch: Any, chosen: list[int
     the first rank of each pipeline position, which differ in their stages (the others only in
     shard sizes). The other strategies move the whole module with Lightning's or DeepSpeed's
     own setup."""
-    from framework.nn.transforms import ModelTransforms
+    from framework.parallel.transforms import ModelTransforms
     from framework.preflight.devices import placement_errors, refuse
 
     strategy, dims = plan.strategy, plan.dims

@@ -62,9 +62,9 @@ def step_collectives(task, mesh, cfg, dims) -> None:
     the gathered timing metrics."""
     from framework.parallel.experts import balance_routers
     from framework.parallel.gradients import clip_by_total_norm
-    from framework.strategies.parallel import stages
-    from framework.strategies.parallel.schedule import PipelineRunner
-    from framework.strategies.parallel.timeline import gathered_table
+    from framework.parallel.pipeline import stages
+    from framework.parallel.pipeline.schedule import PipelineRunner
+    from framework.parallel.pipeline.timeline import gathered_table
 
     params = [p for p in task.parameters() if p.requires_grad]
     for p in params:

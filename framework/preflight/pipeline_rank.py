@@ -13,8 +13,8 @@ def pipeline_cut(task, cfg, dims, coords, batch):
     """This rank's stages (balanced by parameter count unless split points are given) and the
     input each of its stages receives for one microbatch (found by running the whole chain on
     fake tensors before the cut)."""
-    from framework.strategies.parallel import stages
-    from framework.strategies.parallel.schedule import inputs_and_targets
+    from framework.parallel.pipeline import stages
+    from framework.parallel.pipeline.schedule import inputs_and_targets
 
     owners = stages.stage_owners(cfg.schedule, dims.pp, cfg.virtual_stages)
     n_stages = sum(len(s) for s in owners)
@@ -59,7 +59,7 @@ def _same(x):
 
 def stage_steps(task, modules, inputs, cut):
     """Forward and backward of one microbatch through each of this rank's stages."""
-    from framework.strategies.parallel.schedule import pipeline_objective
+    from framework.parallel.pipeline.schedule import pipeline_objective
 
     last = len(cut.starts) - 1
     objective = pipeline_objective(task)  # the loss `fw train` computes on the last stage

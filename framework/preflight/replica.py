@@ -91,8 +91,8 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
     checkpointing and precision) counted on fake tensors; a model whose shapes depend on the
     data (routed experts) is counted on real tensors when small, else estimated at 6 FLOPs per
     active parameter (`active_parameters`) and token."""
-    from framework.callbacks._throughput import sizes_in
-    from framework.nn.transforms import ModelTransforms
+    from framework.callbacks.throughput.callback import sizes_in
+    from framework.parallel.transforms import ModelTransforms
     from framework.preflight import fakes
     from framework.preflight import simulate as sim
     from framework.preflight.counting import REAL_COUNT_PARAMS
@@ -182,11 +182,11 @@ def count_synced_logs(task) -> list[int]:
 
 def active_parameters(task) -> float:
     """The parameters one token runs through: all of them, less the experts a token is not
-    routed to. Each stacked expert weight of a framework.nn MoE layer, or of a transformers
-    sparse MoE block (the modules its `ep_plan` names), counts top_k / num_experts of its size."""
-    from framework.nn import hf
-    from framework.nn.keys import matches
+    routed to. Each stacked expert weight of a framework.nn MoE layer, or of a model family's
+    MoE block (a transformers model's: the modules its `ep_plan` names), counts top_k /
+    num_experts of its size."""
     from framework.parallel.experts import moe_layers
+    from framework.parallel.model import adapter_for
 
     total = float(sum(p.numel() for p in task.parameters()))
     idle, seen = 0.0, set()
@@ -203,15 +203,8 @@ def active_parameters(task) -> float:
         k = getattr(layer.router, "top_k", None) or getattr(router, "top_k", None)
         names = layer.experts.weight_names
         routed([getattr(layer.experts, n) for n in names], k, layer.num_experts)
-    for _, model in hf.models(task):
-        config = getattr(model, "config", None)
-        k = getattr(config, "num_experts_per_tok", None)
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-        keys = [key for key, style in dict(getattr(model, "ep_plan", None) or {}).items()
-                if style == "ep_dispatch_experts"]  # fmt: skip
-        for name, module in model.named_modules():
-            if any(matches(key, name) for key in keys):
-                routed(list(module.parameters()), k, experts)
+    for found in adapter_for(task).routed_weights(task):
+        routed(found.weights, found.top_k, found.num_experts)
     return total - idle
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from framework.nn.context import plan_of
+from framework.parallel.context import plan_of
 from framework.preflight import fakes
 from framework.preflight.fakes import copyable_fakes, fake_mode, fake_world
 from framework.preflight.pipeline_rank import in_flight, pipeline_cut, stage_steps
@@ -219,7 +219,7 @@ def whole_step(task, batch, loss_parallel: bool, sequences=None):
     """The task's own training_step (its logging has no Trainer here and is skipped); with a
     context-parallel plan (`sequences`) on this rank's chunks of the batch, as the strategy runs
     it."""
-    from framework.nn.context import running
+    from framework.parallel.context import running
 
     def run():
         context = contextlib.nullcontext()
@@ -331,19 +331,19 @@ def rank_step(task_cfg, trainer_cfg, batch, rank, cfg, dims, transforms, cuda, m
 
 def before_parallelize(task, cfg, dims, coords, batch):
     """What the strategy does to the built task before `parallelize`, in its order: the
-    transformers MoE blocks swapped for framework layers (ep > 1, its setup_environment: the
+    model families' MoE blocks swapped for framework layers (ep > 1, its setup_environment: the
     stages and the tensor plans then see the swapped blocks, whose experts ep splits), then the
     pipeline cut (pp > 1). Returns (cut, each stage's input) as `pipeline_cut`, or (None, {})."""
-    from framework.nn.hf_moe import swap_sparse_blocks
+    from framework.parallel.model import adapter_for
 
     if dims.ep > 1:
-        swap_sparse_blocks(task, dims.ep)
+        adapter_for(task).swap_experts(task, dims.ep)
     return (None, {}) if dims.pp == 1 else pipeline_cut(task, cfg, dims, coords, batch)
 
 
 def settings(task, cfg, dims, cut):
     """The tensor-parallel and FSDP settings the strategy's setup gives `parallelize` (the same
     function), with offloaded states counted on the device: an upper bound."""
-    from framework.strategies.parallel.settings import parallel_settings
+    from framework.parallel.settings import parallel_settings
 
     return parallel_settings(task, cfg, dims, cut, cpu_offload=False)

@@ -82,7 +82,7 @@ def context_bytes(
     element: int,
 ) -> tuple[float, float]:  # fmt: skip
     """(Forward, backward) bytes one rank's context-parallel attention sends per layer per step
-    (framework/nn/context.py), for `rows` sequences of `seq` positions, `heads` query and
+    (framework/parallel/context/__init__.py), for `rows` sequences of `seq` positions, `heads` query and
     `kv_heads` key/value heads of `head_dim` on the rank, `element` bytes per value. A block is
     one rank's K and V: 2·b·s/cp·h_kv·d values.
     - ring: forward passes a block on cp-1 times, (cp-1)·2·b·s/cp·h_kv·d; backward passes each

@@ -121,7 +121,8 @@ def functional_waits(torch, dist) -> dict[str, float]:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.testing._internal.distributed import fake_pg  # noqa: F401 - the "fake" backend
 
-    from framework.nn import TransformerBlock, apply_tensor_parallel
+    from framework.nn import TransformerBlock
+    from framework.parallel.tensor import apply_tensor_parallel
     from framework.preflight.counting import host_counting
 
     n = dist.get_world_size()

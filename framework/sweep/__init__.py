@@ -51,7 +51,7 @@ def sweep_command(args: list[str], parse_args) -> int:
         raise ConfigError("command", "sweep", "a search cannot run inside a torchrun/SLURM job")
     trials = trials_flag(flags.get("--trials"))
     cfg, overrides = sweep_config.load(overrides, search_dirs(dirs))
-    search = plan(cfg, overrides, dirs, trials, flags)
+    search = make_jobs(cfg, overrides, dirs, trials, flags)
     return run(search)
 
 
@@ -83,7 +83,7 @@ def trials_flag(value: str | None) -> int:
     return trials
 
 
-def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[str, str]):
+def make_jobs(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[str, str]):
     """The Search of this command, once its trials' config composes and validates."""
     from omegaconf import OmegaConf
 
@@ -115,15 +115,14 @@ def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[s
             ["sqlite:///PATH", "postgresql://...", "mysql://..."],
         )
     job = check_trials(fixed, corners(space), dirs, sweep_dir)
-    loggers = {e.kind: (n, e) for n, e in (job.cfg.logger or {}).items() if e is not None}
-    if "csv" not in loggers:
+    metrics_file, grouped = logger_roles(job.cfg)
+    if metrics_file is None:
         raise ConfigError(
             "logger",
             ",".join(job.cfg.logger or {}) or "[]",
             "a search reads each trial's metric from its metrics.csv, written by the csv logger",
             hint="Keep it: e.g. logger=[csv] or logger=[csv,wandb].",
         )
-    wandb = loggers.get("wandb")
     plain = OmegaConf.to_container(job.cfg)
     keys = tuple(job.cfg.run.secret_keys)
     return Search(
@@ -136,12 +135,29 @@ def plan(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: dict[s
         study_name=name,
         storage_url=storage,
         trials=trials,
-        metrics_file=loggers["csv"][1].filename,
-        wandb_group=wandb is not None and wandb[1].group is None,
+        metrics_file=metrics_file,
+        group_keys=tuple(f"logger.{name}.group" for name in grouped),
         secret_keys=keys,
         secret_values=frozenset(secrets.secret_values(plain, secrets.key_pattern(keys))),
         dir_mode=files.dir_mode(job.cfg.run.dir_mode),
     )
+
+
+def logger_roles(cfg) -> tuple[str | None, list[str]]:
+    """(The file of metric rows a trial's logger writes, the names of the loggers that group
+    runs by a `group` field left unset), asked of the logger plugins."""
+    from framework.plugins import capability, load_plugin, typed_config
+
+    found, grouped = None, []
+    for name, entry in (cfg.logger or {}).items():
+        if entry is None or "kind" not in entry:
+            continue
+        plugin = load_plugin("logger", entry.kind, f"logger.{name}.kind")
+        typed = typed_config(plugin, entry, f"logger.{name}")
+        found = found or capability(plugin, "metrics_file", "logger")(typed)
+        if capability(plugin, "groups_runs", "logger")(typed):
+            grouped.append(name)
+    return found, grouped
 
 
 def study_name(given_dir: str | None, fixed: list[str], written: dict[str, str], cfg) -> str:
@@ -154,7 +170,7 @@ def study_name(given_dir: str | None, fixed: list[str], written: dict[str, str],
 
 def check_trials(fixed: list[str], points: list[list[str]], dirs: list[Path], sweep_dir: Path):
     """Compose and validate a trial at each corner of the space, as `fw train` would."""
-    from framework.runner import plan as plan_jobs
+    from framework.runner import make_jobs as plan_jobs
 
     jobs = [
         plan_jobs([*fixed, *p, f"run.dir={sweep_dir / 'check'}"], False, dirs)[0] for p in points

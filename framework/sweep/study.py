@@ -55,7 +55,7 @@ class Search:
     storage_url: str
     trials: int
     metrics_file: str  # the csv logger's file name in a trial's run directory
-    wandb_group: bool  # put every trial's W&B run in the group named after the study
+    group_keys: tuple[str, ...]  # `logger.<name>.group` of the loggers that group runs (W&B)
     secret_keys: tuple[str, ...] = ()  # the trials' run.secret_keys
     secret_values: frozenset[str] = frozenset()  # values never to write (framework.secrets)
     dir_mode: int = files.DIR_MODE  # the trials' run.dir_mode, also that of the sweep directory
@@ -321,8 +321,7 @@ def trial_command(search: Search, number: int, sampled: list[str], run_dir: Path
             f"+callbacks.pruning.pruner_args.{k}={literal(v)}"
             for k, v in search.cfg.pruner_args.items()
         ]
-    if search.wandb_group:
-        words.append(f"logger.wandb.group={literal(search.study_name)}")
+    words += [f"{key}={literal(search.study_name)}" for key in search.group_keys]
     # -P: the working directory is not put first on sys.path (a stray torch.py there is not
     # imported); `fw` appends it, so the user's modules are still found
     return [sys.executable, "-P", "-m", "framework.cli", "train", *words]

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from framework import ConfigError, TaskModule
-from framework.nn.context import cross_entropy
+from framework.nn import cross_entropy
 from recipes.gpt.model import GPT
 
 log = logging.getLogger("framework.recipes.gpt")

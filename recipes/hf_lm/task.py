@@ -1,10 +1,10 @@
 """A causal language model from transformers: pretrained from a local directory, or a random init
-from a config dict. The parallel core splits it by the model's own plans (framework/nn/hf.py).
+from a config dict. The parallel core splits it by the model's own plans (framework/integrations/hf/plans.py).
 
 `pretrained=DIR` builds the model from DIR's config.json with its parameters on the meta device:
 no process ever holds a whole copy it does not keep. Its weights are read once the strategy has
 placed the model: by the parallel strategies (fsdp, tensor, fsdp_tp, pipeline, explicit degrees)
-after they split it, each rank reading its own slices (framework/nn/hf_load.py); by the others
+after they split it, each rank reading its own slices (framework/integrations/hf/pretrained.py); by the others
 (ddp, diloco, hogwild, DeepSpeed ZeRO 1-3) whole on every process, at `setup`. Either way before
 a checkpoint is restored, so a resumed run continues from its checkpoint.
 """
@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from framework import ConfigError, TaskModule
-from framework.nn import hf_load
+from framework.integrations.hf import pretrained as weights
+from framework.nn.meta import on_meta, parameters_on_meta
+from framework.parallel.model import adapter_for
 
 # task.model.arch -> transformers' config class of that family
 ARCHS = {
@@ -43,7 +45,7 @@ def build_model(arch: str, config: dict[str, Any] | None, pretrained: str | None
 
     if pretrained is not None:
         model_config = transformers.AutoConfig.from_pretrained(pretrained)
-        with hf_load.parameters_on_meta():
+        with parameters_on_meta():
             return transformers.AutoModelForCausalLM.from_config(model_config)
     model_config = getattr(transformers, ARCHS[arch])(**(config or {}))
     return transformers.AutoModelForCausalLM.from_config(model_config)
@@ -66,9 +68,9 @@ class HFCausalLM(TaskModule):
     @staticmethod
     def validate_config(prefix: str, args: dict) -> None:
         offline()
-        hf_load.check_directory(f"{prefix}.pretrained", args.get("pretrained"))
+        weights.check_directory(f"{prefix}.pretrained", args.get("pretrained"))
         if args.get("pretrained") is not None:
-            hf_load.check_readable(f"{prefix}.pretrained", args["pretrained"])
+            weights.check_readable(f"{prefix}.pretrained", args["pretrained"])
         arch = args.get("arch", "llama")
         if args.get("pretrained") is None and arch not in ARCHS:
             raise ConfigError(f"{prefix}.arch", arch, "is not a supported family", list(ARCHS))
@@ -92,9 +94,9 @@ class HFCausalLM(TaskModule):
     def setup(self, stage: str) -> None:
         # a strategy with a device mesh splits the model first and reads each rank's slices
         # itself (ParallelStrategy.setup); every other one holds the whole model per process
-        if self.device_mesh is None and hf_load.on_meta(self.model):
+        if self.device_mesh is None and on_meta(self.model):
             run_dir, rank = self.trainer.default_root_dir, self.trainer.global_rank
-            hf_load.load_pretrained(self, torch.device("cpu"), run_dir, rank)
+            adapter_for(self).load_pretrained(self, torch.device("cpu"), run_dir, rank)
         vocab = getattr(self.trainer.datamodule, "vocab_size", None)
         limit = self.model.config.get_text_config().vocab_size
         if vocab is not None and vocab > limit:

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from framework.config.compose import CONF_DIR, GROUPS, compose_config, group_options
 from framework.config.store import CORE_SCHEMAS, plugin_schemas
-from framework.config.validate import validate
+from framework.config.validate import plan_job
 from framework.errors import ConfigError
 
 # launcher=slurm validates only where sbatch is installed: both sides are tested on their own
@@ -30,7 +30,7 @@ def test_every_option_composes_and_validates(group, option, monkeypatch):
         monkeypatch.setattr("framework.config.validate.cuda_device_count", lambda: 1)
     cfg = compose_config([override, *NEEDS.get((group, option), [])])
     OmegaConf.resolve(cfg)
-    assert validate(cfg).world.world_size >= 1
+    assert plan_job(cfg).world.world_size >= 1
 
 
 def test_launcher_slurm_composes_and_is_refused_where_sbatch_is_missing(monkeypatch, tmp_path):
@@ -40,7 +40,7 @@ def test_launcher_slurm_composes_and_is_refused_where_sbatch_is_missing(monkeypa
     OmegaConf.resolve(cfg)
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no sbatch
     with pytest.raises(ConfigError, match="sbatch is not on PATH") as info:
-        validate(cfg)
+        plan_job(cfg)
     assert info.value.key.startswith("launcher")
 
 
@@ -48,7 +48,7 @@ def test_fsdp_tp_on_one_process_is_refused():
     cfg = compose_config(["strategy=fsdp_tp"])
     OmegaConf.resolve(cfg)
     with pytest.raises(ConfigError, match="does not divide the 1 processes"):
-        validate(cfg)
+        plan_job(cfg)
 
 
 def test_gpu_trainer_refused_without_cuda():
@@ -58,7 +58,7 @@ def test_gpu_trainer_refused_without_cuda():
         pytest.skip("a CUDA device is present")
     cfg = compose_config(["trainer=gpu"])
     with pytest.raises(ConfigError, match="no CUDA device"):
-        validate(cfg)
+        plan_job(cfg)
 
 
 def test_every_schema_has_a_yaml():
@@ -118,30 +118,30 @@ def test_typo_in_a_yaml_fails(tmp_path):
 def test_invalid_choice_is_refused_before_launch():
     cfg = compose_config(["trainer.precision=fp8"])
     with pytest.raises(ConfigError, match="not a valid choice") as info:
-        validate(cfg)
+        plan_job(cfg)
     assert "bf16-mixed" in info.value.choices
 
 
 def test_task_arguments_are_checked_against_the_signature():
     cfg = compose_config(["+task.model.hiddn=3"])
     with pytest.raises(ConfigError, match="not an argument of DigitsTask") as info:
-        validate(cfg)
+        plan_job(cfg)
     assert "hidden" in info.value.choices and "Did you mean 'hidden'" in str(info.value)
     cfg = compose_config(["task.model.hidden=wide"])
     with pytest.raises(ConfigError, match="expected int"):
-        validate(cfg)
+        plan_job(cfg)
     cfg = compose_config(["task.optimizer.lr=fast"])
     with pytest.raises(ConfigError, match="task.optimizer.lr"):
-        validate(cfg)
+        plan_job(cfg)
 
 
 def test_multirun_jobs_get_numbered_run_dirs_under_a_given_run_dir(tmp_path):
-    from framework.runner import plan
+    from framework.runner import make_jobs
 
-    jobs = plan(["seed=1,2", f"run.dir={tmp_path}/sweep"], multirun=True)
+    jobs = make_jobs(["seed=1,2", f"run.dir={tmp_path}/sweep"], multirun=True)
     assert [j.run_dir for j in jobs] == [tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"]
     assert [j.cfg.seed for j in jobs] == [1, 2]
-    swept = plan([f"run.dir={tmp_path}/a,{tmp_path}/b"], multirun=True)
+    swept = make_jobs([f"run.dir={tmp_path}/a,{tmp_path}/b"], multirun=True)
     assert [j.run_dir for j in swept] == [tmp_path / "a", tmp_path / "b"]
     assert not any(tmp_path.iterdir()), "planning writes nothing"
 

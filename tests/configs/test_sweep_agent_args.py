@@ -24,14 +24,14 @@ def test_hyphenated_and_plain_overrides_compose_the_same_config(capsys, workdir)
 
 
 def test_a_single_run_adopts_the_agents_run_id_and_a_multirun_does_not(workdir, monkeypatch):
-    from framework.runner import plan, write_config
+    from framework.runner import make_jobs, write_config
 
     monkeypatch.chdir(workdir)
     monkeypatch.setenv("WANDB_RUN_ID", "swp12345")
-    (job,) = plan(["trainer.max_steps=1", "run.dir=single"])
+    (job,) = make_jobs(["trainer.max_steps=1", "run.dir=single"])
     write_config(job)
     assert json.loads((job.run_dir / "run.json").read_text())["run_id"] == "swp12345"
-    jobs = plan(["trainer.max_steps=1", "seed=1,2", "run.dir=sweep"], multirun=True)
+    jobs = make_jobs(["trainer.max_steps=1", "seed=1,2", "run.dir=sweep"], multirun=True)
     ids = set()
     for each in jobs:
         write_config(each)

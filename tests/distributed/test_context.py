@@ -195,7 +195,7 @@ def test_cp_checkpoint_moves_to_one_process(trained, one_process, tmp_path):
 def test_kill_9_under_cp2_x_fsdp2_resumes_bitwise(trained, tmp_path):
     """SIGKILL of the whole job after step 7, restart from the checkpoint at 5: the losses and
     the final weights are bitwise the uninterrupted run's."""
-    from framework.export import consolidated_state
+    from framework.checkpoint.export import consolidated_state
 
     marker = tmp_path / "killed"
     kill = [

@@ -1,4 +1,4 @@
-"""Context parallel for transformers models (framework/nn/hf_context.py): a plain LightningModule
+"""Context parallel for transformers models (framework/integrations/hf/context_parallel.py): a plain LightningModule
 holding a Llama (grouped-query attention, rotary positions, transformers' own shifted loss) with
 each sequence split over 2 processes reproduces one process at the same global batch, by
 ulysses under cp=2 and by ring under pp=2 x cp=2 (pipeline stages cut from the model's pp_plan,

@@ -110,7 +110,7 @@ def test_a_small_max_shard_size_writes_shards_and_an_index(runs, workdir):
 def test_tied_weights_are_written_once(tmp_path):
     from safetensors import safe_open
 
-    from framework.export_hf import assign, save
+    from framework.integrations.hf.export import assign, save
 
     config = LlamaConfig(
         vocab_size=256,
@@ -143,7 +143,7 @@ def test_the_pretrained_directorys_tokenizer_files_are_copied(tmp_path):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from framework.export_hf import save, tokenizer_dir
+    from framework.integrations.hf.export import save, tokenizer_dir
     from tests.hf_pretrained import write_llama, write_word_tokenizer
 
     pretrained = write_llama(tmp_path / "pretrained")

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from framework.nn.safetensors_io import weight_map
+from framework.integrations.hf.safetensors_io import weight_map
 from tests.conftest import QUIET, fw, losses
 from tests.hf_pretrained import BLOCK, periodic_corpus, reference_loss, write_llama, write_moe
 
@@ -65,7 +65,7 @@ def weight_bytes(directory, files) -> int:
     """Bytes of the tensors in `files`, all fp32."""
     import math
 
-    from framework.nn.safetensors_io import read_header
+    from framework.integrations.hf.safetensors_io import read_header
 
     total = 0
     for name in set(files.values()):

@@ -18,8 +18,8 @@ from tests.conftest import QUIET, assert_resumed, fw, losses, metric_rows
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-from framework import checkpointing  # noqa: E402
-from framework.export import consolidated_state  # noqa: E402
+from framework.checkpoint import disk  # noqa: E402
+from framework.checkpoint.export import consolidated_state  # noqa: E402
 from tests.distributed.test_resume import start, wait_for_step  # noqa: E402
 from tests.hf_pretrained import PLAIN, shared_runs  # noqa: E402
 from tests.hf_tasks import PlainLlama  # noqa: E402
@@ -47,7 +47,7 @@ class SlowLlama(PlainLlama):
 
 
 def final_weights(run) -> dict[str, torch.Tensor]:
-    return consolidated_state(checkpointing.resolve(run, "run"))
+    return consolidated_state(disk.resolve(run, "run"))
 
 
 def test_kill_9_under_fsdp_tp_resumes_bitwise(tmp_path):

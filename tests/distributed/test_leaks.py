@@ -86,10 +86,10 @@ def test_a_run_dir_mode_is_configurable_and_checked(workdir, monkeypatch, capsys
 
 
 def test_run_dir_mode_sets_the_run_directory_mode(workdir, monkeypatch):
-    from framework.runner import plan, write_config
+    from framework.runner import make_jobs, write_config
 
     monkeypatch.chdir(workdir)
-    job = plan(["run.dir=run", "run.dir_mode=0700"])[0]
+    job = make_jobs(["run.dir=run", "run.dir_mode=0700"])[0]
     write_config(job)
     mask = umask()
     assert (workdir / "run").stat().st_mode & 0o777 == 0o700 & ~mask

@@ -9,7 +9,7 @@ import signal
 import socket
 from pathlib import Path
 
-from framework.launchers.signals import child_pids
+from framework.launch.signals import child_pids
 from tests.conftest import QUIET
 from tests.distributed.test_resume import start, wait_for_step
 

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework import portable, resume
+from framework.checkpoint import portable, resume
+from framework.checkpoint.export import consolidated_state
 from framework.errors import ConfigError
-from framework.export import consolidated_state
 from framework.strategies import deepspeed
 from tests.conftest import QUIET, assert_resumed, fw, losses
 

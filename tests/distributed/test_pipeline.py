@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.config.compose import compose_config
-from framework.config.validate import validate
+from framework.config.validate import plan_job
 from framework.errors import ConfigError
 from tests.conftest import QUIET, assert_resumed, fw, losses, metric_rows, read_metrics, refused
 from tests.distributed.test_resume import kill_then_restart
@@ -211,5 +211,5 @@ def test_invalid_splits_and_schedules_are_config_errors(args, message):
     cfg = compose_config(["strategy=pipeline", "trainer.devices=2", "experiment=gpt_tiny", *args])
     OmegaConf.resolve(cfg)
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        plan_job(cfg)
     assert message in str(err.value)

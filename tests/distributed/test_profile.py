@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from framework.callbacks._profile import fit_schedule
+from framework.callbacks.profile.callback import fit_schedule
 from tests.conftest import QUIET, fw
 
 PROFILE = ["debug=profile", "logger=[csv]", "callbacks=none", *QUIET]

@@ -337,7 +337,7 @@ def test_the_local_launcher_holds_a_cuda_job_to_this_machine(monkeypatch):
     cfg = compose_config(["task=digits", "trainer.accelerator=gpu", "trainer.devices=2"])
     OmegaConf.resolve(cfg)
     with pytest.raises(ConfigError, match="trainer.accelerator=gpu: no CUDA device is available"):
-        validate.validate(cfg)
+        validate.plan_job(cfg)
 
 
 def test_an_unknown_placement_strategy_is_refused(workdir):

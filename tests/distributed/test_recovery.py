@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.launchers.signals import child_pids
+from framework.launch.signals import child_pids
 from tests.conftest import QUIET, REPO, fw, fw_env, read_metrics
 from tests.distributed.test_resume import start, wait_for_step
 

@@ -91,7 +91,7 @@ def kill_then_restart(args: list[str], run: Path, kill_step: int, workdir: Path)
 
 
 def test_a_killed_worker_is_restarted_and_the_job_finishes_exactly(reference, workdir):
-    from framework.launchers.signals import child_pids
+    from framework.launch.signals import child_pids
 
     run = workdir / "run"
     proc = start([*SLOW, "launcher.max_restarts=1", f"run.dir={run}"], workdir)

@@ -136,7 +136,7 @@ def test_kill_9_and_restart_is_exact_under_sharding(strategy, workdir):
 def test_async_saves_equal_sync_saves_and_a_kill_mid_write_resumes_from_the_one_before(
     digits_runs, workdir
 ):
-    from framework.export import consolidated_state
+    from framework.checkpoint.export import consolidated_state
 
     marker = workdir / "killed"
     args = [

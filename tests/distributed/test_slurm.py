@@ -240,11 +240,11 @@ def test_launcher_slurm_validates_where_sbatch_is_installed(cluster):
     from omegaconf import OmegaConf
 
     from framework.config.compose import compose_config
-    from framework.config.validate import validate
+    from framework.config.validate import plan_job
 
     cfg = compose_config(["launcher=slurm"])
     OmegaConf.resolve(cfg)
-    assert validate(cfg).world.world_size == 1
+    assert plan_job(cfg).world.world_size == 1
 
 
 def test_a_submitted_two_task_job_matches_the_local_launcher(cluster, workdir, local_run):

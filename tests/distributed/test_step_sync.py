@@ -1,5 +1,5 @@
 """What Lightning adds to every step of a multi-process job, made cheap (framework/strategy_base.py
-and framework/callbacks/_vote.py): a step issues no barrier and no broadcast, the loss logged
+and framework/runtime/vote.py): a step issues no barrier and no broadcast, the loss logged
 with `sync_dist` is the mean over the ranks with one all-reduce, and SIGTERM is still voted on,
 without waiting: every rank stops at the same step, and the job ends with exit code 143 and says
 so (it used to hang: Lightning's SIGTERMException ends a worker as a success, with no result for

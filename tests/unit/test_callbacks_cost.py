@@ -12,8 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from framework.callbacks import _moe, _stragglers, _throughput
-from framework.callbacks._lr_monitor import LRMonitor
+from framework.callbacks.lr_monitor.callback import LRMonitor
+from framework.callbacks.moe import callback as moe_callback
+from framework.callbacks.stragglers import callback as stragglers_callback
+from framework.callbacks.throughput import callback as throughput_callback
 
 
 class Clock:
@@ -73,8 +75,8 @@ def trainer(
 
 def test_the_straggler_check_reads_no_clock_in_one_process(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(_stragglers, "time", clock)
-    callback = _stragglers.Stragglers(SimpleNamespace(every_n_steps=2, threshold=1.5))
+    monkeypatch.setattr(stragglers_callback, "time", clock)
+    callback = stragglers_callback.Stragglers(SimpleNamespace(every_n_steps=2, threshold=1.5))
     one = trainer(world_size=1)
     callback.on_train_start(one, None)
     for i in range(5):
@@ -86,9 +88,12 @@ def test_the_straggler_check_reads_no_clock_in_one_process(monkeypatch):
 
 def test_throughput_logs_a_window_at_the_step_lightning_writes_with_its_own_figures(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(_throughput, "time", clock)
+    monkeypatch.setattr(throughput_callback, "time", clock)
     cfg = SimpleNamespace(window=2, count_flops=False, warn_data_wait=0.0)
-    callback, module = _throughput.Throughput(cfg, data_ranks=2, configured_peak=None), Module()
+    callback, module = (
+        throughput_callback.Throughput(cfg, data_ranks=2, configured_peak=None),
+        Module(),
+    )
     logger = Logger()
     batch = (torch.zeros(8, 3), torch.zeros(8))
     callback.on_train_start(trainer(), module)
@@ -119,13 +124,13 @@ def test_throughput_logs_a_window_at_the_step_lightning_writes_with_its_own_figu
     ],
 )
 def test_rows_and_tokens_of_a_batch(batch, sizes):
-    assert _throughput.sizes_in(batch) == sizes
+    assert throughput_callback.sizes_in(batch) == sizes
 
 
 def test_moe_metrics_do_nothing_per_step_on_a_model_without_experts(monkeypatch):
     walks = []
-    monkeypatch.setattr(_moe, "moe_layers", lambda model: walks.append(model) or [])
-    callback, model = _moe.MoEMetrics(SimpleNamespace(per_expert=True)), nn.Linear(2, 2)
+    monkeypatch.setattr(moe_callback, "moe_layers", lambda model: walks.append(model) or [])
+    callback, model = moe_callback.MoEMetrics(SimpleNamespace(per_expert=True)), nn.Linear(2, 2)
     callback.setup(trainer(), model, "fit")
     callback.on_train_start(trainer(), model)
     walks.clear()
@@ -147,21 +152,21 @@ def test_the_lr_monitor_is_idle_without_a_logger():
 def test_lightning_passes_by_the_hooks_a_callback_has_nothing_to_do_in():
     """Lightning formats a profiler name and enters a profiler context for every callback at
     each of the six per-step hooks unless the hook is not callable (trainer/call.py)."""
-    from framework.callbacks._checkpointer import Checkpointer
-    from framework.callbacks._hooks import PER_STEP
+    from framework.callbacks.checkpoint.callback import Checkpointer
+    from framework.runtime.hooks import PER_STEP
 
     def used(callback) -> set[str]:
         return {name for name in PER_STEP if callable(getattr(callback, name))}
 
-    stragglers = _stragglers.Stragglers(SimpleNamespace(every_n_steps=2, threshold=1.5))
+    stragglers = stragglers_callback.Stragglers(SimpleNamespace(every_n_steps=2, threshold=1.5))
     stragglers.on_train_start(trainer(world_size=1), None)
     assert used(stragglers) == set(), "one process: nothing to compare"
-    moe = _moe.MoEMetrics(SimpleNamespace(per_expert=True))
+    moe = moe_callback.MoEMetrics(SimpleNamespace(per_expert=True))
     assert used(moe) == {"on_before_optimizer_step"}
     moe.on_train_start(trainer(), nn.Linear(2, 2))
     assert used(moe) == set(), "no MoE layers"
     cfg = SimpleNamespace(window=2, count_flops=False, warn_data_wait=0.0)
-    throughput = _throughput.Throughput(cfg, data_ranks=1, configured_peak=None)
+    throughput = throughput_callback.Throughput(cfg, data_ranks=1, configured_peak=None)
     assert used(throughput) == {"on_train_batch_start", "on_train_batch_end"}
     monitor = LRMonitor(logging_interval="step")
     monitor.on_train_start(SimpleNamespace(loggers=[]))

@@ -1,4 +1,4 @@
-"""Context-parallel attention (framework/nn/context_attention.py) against attention over the
+"""Context-parallel attention (framework/parallel/context/attention.py) against attention over the
 whole sequence: each mode's outputs and input gradients, causal and not, with the zigzag split,
 including a sequence of exactly 2 x cp positions; the loss (context.cross_entropy) with ignored
 targets spread unevenly over the chunks against the whole sequences' mean; real gloo collectives
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from framework.nn import context
+from framework.parallel import context
 
 # the modes, and ring and allgather in plain torch ops (used on devices without the fused CPU
 # kernel the others call)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from framework.nn import context
+from framework.parallel import context
 from framework.preflight.fakes import fake_mode, fake_world
 from framework.preflight.traffic import context_bytes
 
@@ -31,7 +31,7 @@ def test_forward_bytes_are_the_formulas(cp, element):
 
 
 class Sent:
-    """Wraps the collectives framework.nn.context calls and adds up the bytes that leave this
+    """Wraps the collectives framework.parallel.context calls and adds up the bytes that leave this
     rank: a send whole, an all-gather's input to cp-1 others, (cp-1)/cp of a reduce-scatter's
     or an all-to-all's input."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 
-from framework.loggers._step_csv import StepCSVLogger
+from framework.loggers.csv.logger import StepCSVLogger
 
 
 def rows(path):

@@ -232,7 +232,7 @@ def test_gpu_peaks_are_found_by_whole_names_most_specific_first(device_name, pea
 def test_the_preemption_vote_reads_no_gpu_tensor(monkeypatch):
     """On NCCL the per-step vote runs on a gloo group of CPU flags: reading a CUDA flag
     (`.item()`) would wait for everything the step queued on the GPU, every step."""
-    from framework.callbacks import _vote as ck
+    from framework.runtime import vote as ck
 
     groups, reduced = [], []
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from framework.launchers.outcomes import describe_failures
+from framework.launch.outcomes import describe_failures
 from framework.watchdog import ExitWatch
 
 

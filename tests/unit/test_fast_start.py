@@ -7,8 +7,8 @@ import sys
 import time
 from datetime import timedelta
 
-from framework.launchers import rendezvous
-from framework.launchers.preload import Preload
+from framework.launch import rendezvous
+from framework.launch.preload import Preload
 from framework.worker import MODULES_FILE
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from framework import checkpointing, files
+from framework import files
+from framework.checkpoint import disk
 from framework.sweep import study
 
 
@@ -31,14 +32,14 @@ def test_a_symlink_at_the_temporary_path_is_not_followed(tmp_path, victim, monke
     run.mkdir()
     # the old fixed temporary name, planted in advance
     (run / "config.yaml.tmp").symlink_to(victim)
-    checkpointing.write_text_atomic(run / "config.yaml", "a: 1\n")
+    disk.write_text_atomic(run / "config.yaml", "a: 1\n")
     assert (run / "config.yaml").read_text() == "a: 1\n"
     assert victim.read_text() == "precious" and not (run / "config.yaml").is_symlink()
     # and the random name, were it guessed: refused, not followed
     monkeypatch.setattr(files.secrets, "token_hex", lambda n: "guessed")
     (run / ".run.json.guessed.tmp").symlink_to(victim)
     with pytest.raises(FileExistsError):
-        checkpointing.write_json_atomic(run / "run.json", {"run_id": "x"})
+        disk.write_json_atomic(run / "run.json", {"run_id": "x"})
     assert victim.read_text() == "precious" and not (run / "run.json").exists()
 
 
@@ -87,8 +88,8 @@ def test_a_committed_checkpoint_is_narrowed_to_0640(tmp_path):
         os.chmod(tmp / name, 0o644)  # as torch.save leaves them under umask 022
     os.chmod(tmp / "shard", 0o755)
     os.chmod(tmp, 0o755)
-    final = checkpointing.commit(tmp, {"step": 3})
+    final = disk.commit(tmp, {"step": 3})
     modes = {p.name: p.stat().st_mode & 0o777 for p in [final, *final.rglob("*")]}
     assert modes["state.ckpt"] == modes["0.distcp"] == modes["meta.json"] == 0o640 & ~umask()
     assert modes["step00000003"] == modes["shard"] == 0o750
-    assert checkpointing.verify(final) is None
+    assert disk.verify(final) is None

@@ -1,4 +1,4 @@
-"""transformers' sparse MoE blocks swapped for framework MoE layers (framework.nn.hf_moe): the
+"""transformers' sparse MoE blocks swapped for framework MoE layers (framework.integrations.hf.sparse_moe): the
 swapped model computes what transformers computes (logits, loss, the auxiliary loss from the
 router logits it records, every gradient), holds the same tensors under the same names, counts
 the routers' choices; blocks the swap would not reproduce and experts that do not divide by ep
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.nn.hf_moe import sparse_blocks, swap_sparse_blocks
+from framework.integrations.hf.sparse_moe import sparse_blocks, swap_sparse_blocks
 from framework.parallel.experts import moe_layers
 from tests.conftest import QUIET, refused
 from tests.hf_moe_tasks import mixtral_config, qwen3_moe_config
@@ -203,7 +203,7 @@ def test_a_block_computing_more_than_its_structure_shows_is_not_swapped(monkeypa
 def test_sequence_parallel_runs_a_moe_block_ep_splits_whole_on_the_gathered_sequence():
     """Under ep x tp with sequence parallel each MoE block takes the whole sequence, gathered,
     and hands on this rank's positions; the rest of the layer is split as in a dense model."""
-    from framework.nn.plan import hf_plan
+    from framework.integrations.hf.plans import tensor_plan as hf_plan
 
     torch.manual_seed(0)
     task = Holder(transformers.Qwen3MoeForCausalLM(qwen3_moe_config()))
@@ -224,7 +224,7 @@ def test_sequence_parallel_runs_a_moe_block_ep_splits_whole_on_the_gathered_sequ
 
 
 def test_sequence_parallel_names_the_module_and_the_style_it_has_no_form_for():
-    from framework.nn.plan import hf_plan
+    from framework.integrations.hf.plans import tensor_plan as hf_plan
 
     config = transformers.Phi3Config(
         vocab_size=64,

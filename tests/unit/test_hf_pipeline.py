@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework.nn import pipeline
+from framework.parallel import pipeline
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The plans the parallel core reads from transformers models (framework.nn.hf): tensor-parallel
+"""The plans the parallel core reads from transformers models (framework.integrations.hf.plans): tensor-parallel
 entries at their path in the task, styles it cannot apply refused, config entries replacing
 the model's own, FSDP units from `_no_split_modules`."""
 
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.nn.plan import hf_plan
-from framework.nn.transforms import ModelTransforms, blocks
+from framework.integrations.hf.plans import tensor_plan as hf_plan
 from framework.parallel.fsdp import units
+from framework.parallel.transforms import ModelTransforms, blocks
 
 transformers = pytest.importorskip("transformers")
 

@@ -80,7 +80,7 @@ def test_inside_torchrun_the_plan_is_made_once_in_each_process(counted, tmp_path
 def test_a_worker_process_makes_its_plan_from_config_yaml_in_one_call(counted, tmp_path):
     """What a worker process started by launcher=local or SLURM does: config.yaml in, one
     typing and one fit (the cache of the fw process cleared, as in a spawned process)."""
-    [job] = runner.plan([*FSDP, "trainer.devices=2", f"run.dir={tmp_path / 'run'}"])
+    [job] = runner.make_jobs([*FSDP, "trainer.devices=2", f"run.dir={tmp_path / 'run'}"])
     config_path = runner.write_config(job)
     runner.pass_secrets(job)  # as run_job does: what config.yaml leaves out
     assert counted == {"typed": 1, "fit": 1}
@@ -92,7 +92,7 @@ def test_a_worker_process_makes_its_plan_from_config_yaml_in_one_call(counted, t
 def test_the_plan_holds_what_validation_worked_out(tmp_path, monkeypatch):
     for name in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
-    [job] = runner.plan([*FSDP, "trainer.devices=2", f"run.dir={tmp_path / 'run'}"])
+    [job] = runner.make_jobs([*FSDP, "trainer.devices=2", f"run.dir={tmp_path / 'run'}"])
     plan = job.plan
     assert plan.world.world_size == 2 and plan.world.rank == 0
     assert plan.strategy_plugin is parallel and isinstance(plan.strategy, parallel.Config)

@@ -18,34 +18,39 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "base",
         (
             "framework.allocator",
-            "framework.checkpointing",
+            "framework.checkpoint",
+            "framework.checkpoint.disk",
+            "framework.checkpoint.portable",
+            "framework.checkpoint.safe",
             "framework.config.fields",
             "framework.errors",
             "framework.files",
             "framework.logs",
             "framework.lr_scaling",
             "framework.perf",
-            "framework.portable",
             "framework.processes",
             "framework.rng",
-            "framework.safe_load",
             "framework.secrets",
             "framework.watchdog",
             "framework.world",
         ),
     ),
     (
+        "parallel primitives",  # what framework.nn blocks are made of: the context split
+        ("framework.parallel.context", "framework.parallel.keys"),
+    ),
+    (
         "task",
         ("framework", "framework.data", "framework.instantiate", "framework.nn", "framework.task"),
     ),
-    ("parallel", ("framework.parallel",)),
+    ("parallel", ("framework.parallel", "framework.integrations")),
     (
         "config and contract",  # RunContext is what a plugin is built with; resume compares configs
         (
             "framework.config",
             "framework.context",
             "framework.plugins",
-            "framework.resume",
+            "framework.checkpoint.resume",
             "framework.strategy_base",
         ),
     ),
@@ -65,16 +70,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "framework.debug",
             "framework.loggers",
             "framework.replica_groups",
+            "framework.runtime",
             "framework.strategies",
         ),
     ),
     ("worker", ("framework.worker",)),
-    ("launchers", ("framework.external", "framework.launchers")),
+    ("launchers", ("framework.external", "framework.launch", "framework.launchers")),
     (
         "commands",
         (
-            "framework.export",
-            "framework.export_hf",
+            "framework.checkpoint.export",
+            "framework.integrations.hf.export",
             "framework.help",
             "framework.plot",
             "framework.preflight",
@@ -135,7 +141,7 @@ def test_an_upward_import_is_found():
         "framework.config.dry_build -> framework.worker (config and contract -> worker)"
     ]
     assert layer_of("framework") == layer_of("framework.task") != layer_of("framework.errors")
-    assert layer_of("framework.sweep.study") < layer_of("framework.callbacks._pruning")
+    assert layer_of("framework.sweep.study") < layer_of("framework.callbacks.pruning.callback")
     assert layer_of("framework.unplaced_module") is None
 
 
@@ -165,7 +171,7 @@ def test_a_slurm_task_preempted_by_its_signal_requeues_and_by_sigterm_stops(
     import signal
 
     from framework import external, worker
-    from framework.callbacks._checkpointer import Preempted
+    from framework.callbacks.checkpoint.callback import Preempted
     from framework.launchers import slurm
     from framework.world import World
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework.callbacks._loss_guard import LossGuard, SpikeWindow, judge
 from framework.callbacks.loss_guard import Config
+from framework.callbacks.loss_guard.callback import LossGuard, SpikeWindow, judge
 from tests.conftest import refused
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from framework.nn import pipeline
+from framework.parallel import pipeline
 from recipes.gpt.task import GPTTask
 
 

@@ -191,7 +191,7 @@ def test_diloco_sends_its_pseudo_gradient_once_per_round():
     """ddp all-reduces the gradients every step; diloco the pseudo-gradient once per
     `sync_every` steps (in its dtype): fw plan's bytes and communication time per step follow."""
     from framework.plugins import capability, load_plugin, typed_config
-    from framework.preflight.plan import plan
+    from framework.preflight.planner import plan
 
     slow = Link("bandwidth only", 1.0, 0.0)
     cpu = Device(**{**H100.__dict__, "overlap": 0.0, "accelerator": "cpu", "intra": slow})
@@ -446,7 +446,7 @@ def test_a_tensor_parallel_rank_touches_most_of_a_replicas_other_bytes():
     from torch.utils._pytree import tree_leaves
 
     from framework.instantiate import build_task
-    from framework.nn.transforms import ModelTransforms
+    from framework.parallel.transforms import ModelTransforms
     from framework.preflight import simulate as sim
     from framework.preflight.check import composed, first_batch
     from framework.preflight.counting import COLLECTIVES

@@ -77,7 +77,7 @@ def test_what_would_fail_in_the_workers_is_refused_before_launch(tmp_path):
     """Each case passes every check `fw train` makes before launch, and fails in `fw check`
     (the third case, memory, is the next test)."""
     from framework.config.compose import compose_config
-    from framework.config.validate import validate
+    from framework.config.validate import plan_job
     from framework.preflight.check import check
     from framework.runner import resolve
 
@@ -107,7 +107,7 @@ def test_what_would_fail_in_the_workers_is_refused_before_launch(tmp_path):
     for name, (args, message) in cases.items():
         cfg = compose_config([*args, f"run.dir={tmp_path}"])
         resolve(cfg)
-        validate(cfg, here=False)  # fw train's checks before launch: they pass
+        plan_job(cfg, here=False)  # fw train's checks before launch: they pass
         with pytest.raises(ConfigError) as err:
             check(args)
         assert message in str(err.value), (name, str(err.value))
@@ -152,7 +152,7 @@ def test_bad_check_arguments_exit_2(args, message, capsys):
 
 def test_plan_lists_only_layouts_check_accepts_and_recommends_one_that_fits():
     from framework.preflight.check import check
-    from framework.preflight.plan import plan, table, world_overrides
+    from framework.preflight.planner import plan, table, world_overrides
 
     base = ["experiment=gpt_tiny", "task.data.batch_size=8"]
     options, refused = plan(base, 8, "80GB")

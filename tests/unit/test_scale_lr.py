@@ -16,10 +16,10 @@ import yaml
 from omegaconf import OmegaConf
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
-from framework.callbacks._lr_scaling import callbacks, lr_slots, set_base_lr
 from framework.errors import ConfigError
 from framework.lr_scaling import Scaling, per_rank_batch_size
 from framework.plugins import load_plugin
+from framework.runtime.lr_scaling import callbacks, lr_slots, set_base_lr
 from framework.world import World
 from tests.conftest import QUIET, fw, read_metrics, refused
 

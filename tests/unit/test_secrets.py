@@ -7,7 +7,7 @@ import json
 import sys
 
 from framework import secrets
-from framework.loggers._wandb import redacted_argv
+from framework.loggers.wandb.logger import redacted_argv
 
 PASSWORD = "pw-7f3a9c1e"
 TOKEN = "hf_5e2b8d41c0"

@@ -4,7 +4,7 @@ The job is planned in this process with torchrun's environment (nothing is start
 
 from __future__ import annotations
 
-from framework.runner import plan
+from framework.runner import make_jobs
 
 
 def test_without_run_dir_the_run_directory_is_named_by_the_torchrun_run_id(tmp_path, monkeypatch):
@@ -16,6 +16,6 @@ def test_without_run_dir_the_run_directory_is_named_by_the_torchrun_run_id(tmp_p
         "WORLD_SIZE": "1",
     }.items():
         monkeypatch.setenv(key, value)
-    [job] = plan(["trainer.max_steps=2"])
+    [job] = make_jobs(["trainer.max_steps=2"])
     assert job.run_dir == tmp_path / "runs" / "job-1234"
     assert list(tmp_path.iterdir()) == [], "planning writes nothing"

@@ -1,5 +1,5 @@
 """A run directory someone sends you is data: its checkpoints cannot make `fw train` or
-`fw export` run code unless you pass --trust (framework.safe_load).
+`fw export` run code unless you pass --trust (framework.checkpoint.safe).
 
 Each crafted checkpoint holds a pickle that, once unpickled, creates a marker file. It is
 committed the way the framework commits its own (meta.json with digests), in the format the
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import checkpointing
+from framework.checkpoint import disk
 from tests.conftest import QUIET, fw, refused
 
 STEP = "step00000002"
@@ -63,14 +63,14 @@ def crafted(own_run: Path, where: Path, fmt: str, marker: Path) -> Path:
     for path in ckpts.iterdir():
         if path.is_symlink() or path.name != STEP:
             path.unlink() if path.is_symlink() else shutil.rmtree(path)
-    meta = checkpointing.read_meta(ckpts / STEP)
+    meta = disk.read_meta(ckpts / STEP)
     meta.pop("files")
     tmp = ckpts / f"{STEP}.tmp"
     shutil.rmtree(ckpts / STEP)
     tmp.mkdir()
     write_payload(tmp / "state.ckpt", fmt, marker)
-    checkpointing.commit(tmp, {**meta, "format": fmt, "state": "state.ckpt"})
-    assert checkpointing.verify(ckpts / STEP) is None, "the digests match: only the check stops it"
+    disk.commit(tmp, {**meta, "format": fmt, "state": "state.ckpt"})
+    assert disk.verify(ckpts / STEP) is None, "the digests match: only the check stops it"
     return run
 
 

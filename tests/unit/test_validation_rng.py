@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework.callbacks._checkpointer import Checkpointer
+from framework.callbacks.checkpoint.callback import Checkpointer
 
 
 def draw() -> tuple:

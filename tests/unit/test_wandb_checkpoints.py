@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("wandb")
 
-from framework.loggers._wandb import RunWandbLogger  # noqa: E402
+from framework.loggers.wandb.logger import RunWandbLogger  # noqa: E402
 
 
 class Logged:
@@ -158,7 +158,7 @@ def test_the_copy_runs_off_the_training_thread_and_pruning_waits_for_it(checkpoi
 def test_best_is_judged_against_every_earlier_checkpoint_even_pruned_or_from_before_a_resume(
     tmp_path,
 ):
-    from framework.callbacks._checkpointer import Checkpointer
+    from framework.callbacks.checkpoint.callback import Checkpointer
 
     ckpt_dir = tmp_path / "checkpoints"
     earlier = ckpt_dir / "step00000004"  # the job before a resume kept this one

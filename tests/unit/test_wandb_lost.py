@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("wandb")
 
-from framework.loggers._wandb import RunWandbLogger  # noqa: E402
+from framework.loggers.wandb.logger import RunWandbLogger  # noqa: E402
 
 
 class DeadService:

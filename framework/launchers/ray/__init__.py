@@ -25,6 +25,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from framework.launch.restarts import with_restarts
 from framework.launchers.ray.cluster import (
     check_resources,
     check_shared,
@@ -34,7 +35,6 @@ from framework.launchers.ray.cluster import (
 )
 from framework.launchers.ray.ranks import Attempt
 from framework.launchers.ray.settings import Config
-from framework.launchers.restarts import with_restarts
 from framework.world import World
 
 if TYPE_CHECKING:

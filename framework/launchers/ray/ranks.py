@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from framework.launchers.outcomes import WorkersPreempted, preempted_message
+from framework.launch.outcomes import WorkersPreempted, preempted_message
 from framework.launchers.ray.cluster import bundle, fmt, send_signal
 from framework.secrets import ENV as SECRETS_ENV
 from framework.watchdog import HEARTBEAT_ENV, STACK_SIGNAL, WATCHED, Watchdog

@@ -36,6 +36,11 @@ class Config(torchft_groups.TorchftSettings):
     bucket_cap_mb: int = doc(25, "Size of gradient buckets all-reduced together, in MiB.", min=1)
 
 
+def plan_candidates(gpus: int, tp_limit: int) -> list[tuple[str, list[str]]]:
+    """`fw plan` tries plain data parallel."""
+    return [("ddp", ["strategy=ddp"])]
+
+
 def validate(cfg: Config, world: World, job: Any) -> None:
     collective_backend(cfg.backend, world)
     torchft_groups.validate(cfg, world)

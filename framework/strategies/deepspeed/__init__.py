@@ -47,6 +47,11 @@ class Config(CollectiveSettings):
     ep: int = doc(1, "Expert-parallel degree: only 1 under ZeRO (use strategy=expert or fsdp).")
 
 
+def plan_candidates(gpus: int, tp_limit: int) -> list[tuple[str, list[str]]]:
+    """`fw plan` tries the three ZeRO stages (not their offloading presets)."""
+    return [(s, [f"strategy={s}"]) for s in ("zero1", "zero2", "zero3")]
+
+
 def validate(cfg: Config, world: World, job: Any) -> None:
     collective_backend(cfg.backend, world)
     if cfg.ep != 1:
@@ -150,7 +155,7 @@ def data_collectives(cfg: Config, world: World, grads: int, params: int) -> int 
 
 def check_move(cfg: Config, source: str) -> None:
     """Refuse a checkpoint from another layout when state lives on NVMe: DeepSpeed swaps it to
-    files that the conversion (framework/portable.py) does not fill."""
+    files that the conversion (framework/checkpoint/portable.py) does not fill."""
     if "nvme" in (cfg.offload_optimizer, cfg.offload_params):
         key = "offload_optimizer" if cfg.offload_optimizer == "nvme" else "offload_params"
         raise ConfigError(

@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-from framework import portable
+from framework.checkpoint import portable
 from framework.strategy_base import StrategyBase
 from framework.world import collective_backend
 

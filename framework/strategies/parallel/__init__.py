@@ -6,7 +6,7 @@ The degrees `pp`, `dp`, `fsdp` and `tp` multiply to the number of processes; one
 is `fsdp: -1, tp: 2`, `pipeline` is `pp: -1`; any other mix is written with the degrees, e.g.
 `strategy=pipeline strategy.pp=2 strategy.fsdp=2`; `expert` is `fsdp: -1, ep: -1` (the experts
 of mixture-of-experts layers split over all processes). `cp` splits each sequence over that many
-of the fsdp ranks (context parallel: attention by `cp_mode`, framework/nn/context.py). One `ParallelDims` builds one mesh
+of the fsdp ranks (context parallel: attention by `cp_mode`, framework/parallel/context/__init__.py). One `ParallelDims` builds one mesh
 (framework/parallel/dims.py) and one `parallelize` applies, in this order: the pipeline cut,
 tensor-parallel plans, activation checkpointing / compile, FSDP2 over the data ranks
 (framework/parallel/parallelize.py).
@@ -98,7 +98,7 @@ class Config(replica_groups.TorchftSettings):
     tp_plan: list[str] = doc(
         [],
         "Extra plan entries 'module:style' (names may use * wildcards); styles in "
-        "framework.nn.plan.STYLES, e.g. colwise, rowwise.",
+        "framework.parallel.tensor.STYLES, e.g. colwise, rowwise.",
     )
     # pipeline parallel
     schedule: str = doc("1f1b", "Pipeline schedule (pp > 1).", SCHEDULES)
@@ -140,6 +140,21 @@ DEGREES = ("pp", "dp", "fsdp", "tp", "ep", "cp")  # the Config fields ParallelDi
 @functools.lru_cache(maxsize=32)
 def _fitted(degrees: tuple[int, ...], world_size: int) -> ParallelDims:
     return ParallelDims.fit(dict(zip(DEGREES, degrees, strict=True)), world_size)
+
+
+def plan_candidates(gpus: int, tp_limit: int) -> list[tuple[str, list[str]]]:
+    """`fw plan` tries FSDP, FSDP x tensor parallel and pipelines of 2, 4 and 8 stages (with
+    FSDP, and tensor parallel) over the degrees that divide `gpus`."""
+    found = [("fsdp", ["strategy=fsdp"])]
+    small = [d for d in (2, 4, 8) if gpus % d == 0 and d <= gpus]
+    for tp in (d for d in small if d <= tp_limit):
+        found.append((f"fsdp x tp{tp}", ["strategy=fsdp_tp", f"strategy.tp={tp}"]))
+    for pp in small:
+        stages = ["strategy=pipeline", f"strategy.pp={pp}", "strategy.fsdp=-1"]
+        found.append((f"pp{pp} x fsdp", stages))
+        for tp in (d for d in small if d <= tp_limit and pp * d <= gpus and gpus % (pp * d) == 0):
+            found.append((f"pp{pp} x fsdp x tp{tp}", [*stages, f"strategy.tp={tp}"]))
+    return found
 
 
 def validate(cfg: Config, world: World, job: Any) -> None:
@@ -192,9 +207,10 @@ def check_services(cfg: Config, world: World) -> None:
 
 def context_parallel(cfg: Config, dims: ParallelDims, job: Any) -> None:
     """cp > 1: sequence lengths that split into 2 x cp chunks, attention that splits
-    (framework.nn.context)."""
+    (framework.parallel.context)."""
     from framework.config.validate import import_target
-    from framework.nn import context, hf, hf_context
+    from framework.parallel import context
+    from framework.parallel.model import adapter_for
     from framework.strategies.parallel.checks import model_of
 
     task_class = import_target("task._target_", job.task._target_)
@@ -205,9 +221,9 @@ def context_parallel(cfg: Config, dims: ParallelDims, job: Any) -> None:
         args = {k: v for k, v in data.items() if k != "_target_"}
         context.check_data_lengths(data_class, args, dims.cp)
     model = model_of(job)
-    if hf.models(model):  # transformers models: attention through their registry
-        hf_context.check(model, dims.cp, cfg.cp_mode, dims.tp)
-    else:
+    # a model family's own attention (transformers: through their registry), else the
+    # attention modules that declare a `context`
+    if not adapter_for(model).check_context(model, dims.cp, cfg.cp_mode, dims.tp):
         context.check_model(model, dims.cp, cfg.cp_mode, dims.tp)
 
 

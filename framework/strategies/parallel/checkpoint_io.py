@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from framework import portable
+from framework.checkpoint import portable
 from framework.parallel.state import load_full_state, without_empty_groups
 
 FLAT = {"flatten_optimizer_state_dict": True}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from typing import Any
 
 from framework.errors import ConfigError
@@ -19,7 +20,7 @@ MESH_PRECISIONS = ("bf16-mixed", "32-true", "bf16-true", "16-true", "32")  # "32
 
 
 def plan_syntax(tp_plan: list[str]) -> None:
-    from framework.nn.plan import STYLES  # here, not at import: framework.nn imports torch
+    from framework.parallel.tensor import STYLES  # here, not at import: framework.nn imports torch
 
     for entry in tp_plan:
         name, _, style = str(entry).rpartition(":")
@@ -57,42 +58,47 @@ def tensor_parallel(cfg: Any, dims: ParallelDims, job: Any) -> None:
     model = model_of(job)
     if cfg.tp_plan:
         plan_names(cfg.tp_plan, model)
-    transformers_models(cfg, model, dims)
+    declared, families = declared_plans(cfg, model, dims)
     if not cfg.tp_plan:
-        some_plan(model, dims.tp)
+        some_plan(model, dims.tp, declared, families)
     tensor_dims(job.task, dims.tp, cfg.sequence_parallel)
 
 
-def transformers_models(cfg: Any, model, dims: ParallelDims) -> None:
-    """The plans of the transformers models in the task (if any) apply as the workers will apply
-    them: every style known (but where strategy.tp_plan replaces it, and inside the MoE blocks
-    that ep > 1 splits instead), a sequence-parallel form for every module when
-    sequence_parallel is on, heads that split evenly."""
-    from framework.nn import hf
-    from framework.nn.hf_moe import sparse_blocks
-    from framework.nn.plan import hf_plan
+def declared_plans(cfg: Any, model, dims: ParallelDims) -> tuple[dict[str, Any], list[str]]:
+    """The plans the task's model families declare apply as the workers will apply them
+    (framework/parallel/model.py): every style known (but where strategy.tp_plan replaces it,
+    and inside the MoE blocks that ep > 1 splits instead), a sequence-parallel form for every
+    module when sequence_parallel is on, shapes (e.g. heads) that split evenly. Returns them,
+    and the families the task holds besides the declared protocol."""
+    from framework.parallel.model import adapter_for
 
-    if not hf.models(model):
-        return
+    adapter = adapter_for(model)
     skip = [str(e).rpartition(":")[0] for e in cfg.tp_plan]
-    experts = [b.path for b in sparse_blocks(model, dims.ep)] if dims.ep > 1 else []
-    hf_plan(model, skip, cfg.sequence_parallel, cfg.loss_parallel, experts)
-    hf.check_heads(model, dims.tp)
+    experts = [b.path for b in adapter.expert_blocks(model, dims.ep)] if dims.ep > 1 else []
+    plan = adapter.tensor_plan(
+        model,
+        skip=skip,
+        sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=cfg.loss_parallel,
+        experts=experts,
+    )
+    adapter.check_tensor(model, dims.tp)
+    return plan, [a.name for a in adapter.adapters[1:]]
 
 
-def some_plan(model, tp: int) -> None:
-    """tp > 1 must split something: the model's own plans, or an automatic one (logged)."""
-    from framework.nn import hf
-    from framework.nn.plan import auto_plan, collect_plan
+def some_plan(model, tp: int, declared: dict[str, Any], families: list[str]) -> None:
+    """tp > 1 must split something: the model's own plans (logged when a model family's, e.g.
+    a transformers model's, as nobody wrote them in the task), or an automatic one (logged)."""
+    from framework.parallel.tensor import auto_plan
 
-    if hf.plan_patterns(model):  # checked by transformers_models
-        log.info(
-            "Tensor parallel: %s split by its transformers models' own plans: %s",
-            type(model).__name__,
-            ", ".join(f"{k}:{v}" for k, v in _patterns(model).items()),
-        )
-        return
-    if collect_plan(model):
+    if declared:
+        if families:
+            log.info(
+                "Tensor parallel: %s split by the plans of its %s models: %s",
+                type(model).__name__,
+                " and ".join(families),
+                ", ".join(collapsed(declared)),
+            )
         return
     found = auto_plan(model, tp)
     if not found:
@@ -114,10 +120,10 @@ def some_plan(model, tp: int) -> None:
     )
 
 
-def _patterns(model) -> dict[str, str]:
-    from framework.nn import hf
-
-    return {k: hf.STYLES.get(v, v) for k, v in hf.plan_patterns(model).items()}
+def collapsed(plan: dict[str, Any]) -> list[str]:
+    """'module:style' entries with layer numbers as * (one entry for every layer alike)."""
+    found = {re.sub(r"\.\d+(?=\.|$)", ".*", k): v for k, v in plan.items() if isinstance(v, str)}
+    return [f"{k}:{v}" for k, v in found.items()]
 
 
 def tensor_dims(task: Any, tp: int, sequence_parallel: bool) -> None:
@@ -152,7 +158,7 @@ def model_of(job: Any):
 
 def plan_names(tp_plan: list[str], task) -> None:
     """Every `strategy.tp_plan` entry names modules of the task."""
-    from framework.nn.plan import matches
+    from framework.parallel.tensor import matches
 
     names = [n for n, _ in task.named_modules() if n]
     for entry in tp_plan:
@@ -249,7 +255,8 @@ def precision(value: str) -> None:
 def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
     """Cut the meta-device task as the workers will: a loss, enough layers, valid split points,
     and no weight FSDP would have to shard twice."""
-    from framework.nn import hf_pipeline, pipeline
+    from framework.parallel import pipeline
+    from framework.parallel.model import adapter_for
 
     task = model_of(job)
     task_cfg = job.task
@@ -263,8 +270,7 @@ def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
             "pipeline parallel computes the loss on the last stage with it",
             hint="Add a loss method (and pipeline_batch, if a batch is not (input, target)).",
         )
-    if isinstance(pipeline.objective(task).loss, hf_pipeline.CausalLMLoss):
-        hf_pipeline.check_loss(*hf_pipeline.find(task), dims.pp)  # a loss the stages drop
+    adapter_for(task).check_pipeline(task, dims.pp)  # e.g. a loss the stages would drop
     try:
         chain = pipeline.layers(task)
         pipeline.check_covered(task, chain)
@@ -272,7 +278,7 @@ def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
         raise ConfigError("strategy", "pipeline", str(err)) from None
     if n_stages > len(chain):
         found = pipeline.find_model(task)
-        made_of = hf_pipeline.describe(*found) if found else None
+        made_of = adapter_for(task).describe_layers(*found) if found else None
         raise ConfigError(
             "strategy.pp",
             dims.pp,  # the degree in force (cfg.pp is -1 when derived from the devices)
@@ -294,7 +300,7 @@ def layers(cfg: Any, dims: ParallelDims, job: Any) -> None:
 
 
 def split_points(cfg: Any, chain: list, n_stages: int, name: str) -> None:
-    from framework.nn import pipeline
+    from framework.parallel import pipeline
 
     if len(cfg.split_points) != n_stages - 1:
         raise ConfigError(
@@ -319,13 +325,13 @@ def experts(cfg: Any, dims: ParallelDims, job: Any) -> None:
     """ep > 1 needs mixture-of-experts layers whose experts split evenly (framework.nn.MoE, or the
     sparse MoE blocks a transformers model's ep plan names, which must be ones the framework
     applies); MoE losses and sequence parallel are checked against the layout."""
-    from framework.nn.hf_moe import sparse_blocks
     from framework.parallel.experts import moe_layers
+    from framework.parallel.model import adapter_for
 
     model = model_of(job) if (dims.ep > 1 or dims.pp > 1 or cfg.sequence_parallel) else None
     layers = moe_layers(model) if model is not None else []
-    # swapped into framework layers by the workers under ep > 1 (framework.nn.hf_moe)
-    blocks = sparse_blocks(model, dims.ep) if dims.ep > 1 else []
+    # swapped into framework layers by the workers under ep > 1 (by their model family)
+    blocks = adapter_for(model).expert_blocks(model, dims.ep) if dims.ep > 1 else []
     if dims.ep > 1 and not layers and not blocks:
         raise ConfigError(
             "strategy.ep",
@@ -341,7 +347,7 @@ def experts(cfg: Any, dims: ParallelDims, job: Any) -> None:
             raise ConfigError(
                 "strategy.ep",
                 dims.ep,
-                f"the transformers MoE block {block.path} has {block.num_experts} experts, which "
+                f"the {block.kind} {block.path} has {block.num_experts} experts, which "
                 "do not split evenly over it",
                 [d for d in range(1, block.num_experts + 1) if block.num_experts % d == 0],
             )

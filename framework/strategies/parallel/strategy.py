@@ -22,17 +22,18 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from framework.nn import context, hf_load, pipeline
-from framework.nn.hf_moe import swap_sparse_blocks
+from framework.parallel import context, pipeline
 from framework.parallel.dims import ParallelDims
 from framework.parallel.experts import expert_parameters, scale_expert_gradients
 from framework.parallel.gradients import clip_by_total_norm, reduce_partial_gradients
+from framework.parallel.model import adapter_for
 from framework.parallel.parallelize import StageCut, parallelize
+from framework.parallel.pipeline import stages
+from framework.parallel.pipeline.schedule import PipelineRunner, pipeline_objective
+from framework.parallel.pipeline.timeline import gathered_metrics, save_trace
 from framework.parallel.placement import per_parameter_where_mixed, to_device
-from framework.strategies.parallel import checkpoint_io, stages
-from framework.strategies.parallel.schedule import PipelineRunner, pipeline_objective
-from framework.strategies.parallel.settings import parallel_settings
-from framework.strategies.parallel.timeline import gathered_metrics, save_trace
+from framework.parallel.settings import parallel_settings
+from framework.strategies.parallel import checkpoint_io
 from framework.strategy_base import StrategyBase
 from framework.world import collective_backend
 
@@ -75,7 +76,8 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         self._device_mesh = self.mesh.root
         self.lightning_module._device_mesh = self.mesh.root
         if self.dims.ep > 1:  # before the callbacks' setup, which looks for the MoE layers
-            swap_sparse_blocks(self.lightning_module, self.dims.ep)
+            task = self.lightning_module
+            adapter_for(task).swap_experts(task, self.dims.ep)
 
     def model_to_device(self) -> None:
         # Lightning's moves DTensors too (FSDP's CPU-offloaded shards): only what they left
@@ -114,7 +116,9 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         self.context = context.plan_of(task)
         # a pretrained model built on meta: each rank reads the slices it now holds (before a
         # resumed checkpoint is restored over them)
-        hf_load.load_pretrained(task, self.root_device, trainer.default_root_dir, self.global_rank)
+        adapter_for(task).load_pretrained(
+            task, self.root_device, trainer.default_root_dir, self.global_rank
+        )
         to_device(task, self.root_device)
         finish_setup(self, trainer)
         if self.pipeline is not None:

@@ -1,6 +1,6 @@
 """Run by torch's launcher with 3 processes (tests/distributed/test_plan_time.py): one training
 step of torch's pipeline schedules, as `strategy=pipeline` builds them (SCHEDULES of
-framework/strategies/parallel/schedule.py), on a stack of small linear stages, counting the
+framework/parallel/pipeline/schedule.py), on a stack of small linear stages, counting the
 receives each rank posts. Each CASES entry runs on the first pp ranks. Usage:
 pipeline_receives.py OUT. Writes OUT/rank<R>.json: {case: the rank's receives in the step}."""
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from framework.strategies.parallel.schedule import SCHEDULES
+from framework.parallel.pipeline.schedule import SCHEDULES
 
 WIDTH, ROWS = 8, 8
 
