@@ -1,8 +1,9 @@
 """Context-parallel attention (framework/parallel/context/attention.py) against attention over the
 whole sequence: each mode's outputs and input gradients, causal and not, with the zigzag split,
 including a sequence of exactly 2 x cp positions; the loss (context.cross_entropy) with ignored
-targets spread unevenly over the chunks against the whole sequences' mean; real gloo collectives
-between processes started by torch's multiprocessing spawn."""
+targets spread unevenly over the chunks against the whole sequences' mean; ring and allgather
+with grouped-query K/V (fewer heads, sent unrepeated) on each block kernel; real gloo
+collectives between processes started by torch's multiprocessing spawn."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 
 from framework.parallel import context
 
-# the modes, and ring and allgather in plain torch ops (used on devices without the fused CPU
-# kernel the others call)
+# the modes, and ring and allgather on the plain-operations kernel (a device without a fused
+# one: fp64 on CUDA)
 MODES = (*context.MODES, "ring-math", "allgather-math")
 CASES = [  # (mode, causal, sequence length as a multiple of 2 x cp)
     (mode, causal, chunks) for mode in MODES for causal in (True, False) for chunks in (1, 4)
@@ -47,8 +48,8 @@ def compare(rank: int, cp: int, store: str, out: str) -> None:
 
         mine = [split(t).detach().requires_grad_() for t in (q, k, v)]
         if mode.endswith("-math"):
-            args = (causal, mode.split("-")[0], group, cp, rank)
-            got = context.split_attention_math(*mine, *args)
+            args = (causal, mode.split("-")[0], group, cp, rank, "math")
+            got = context.split_attention(*mine, *args)
         else:
             got = plan.attention(*mine, causal=causal)
         (got * split(weight)).sum().backward()
@@ -58,9 +59,60 @@ def compare(rank: int, cp: int, store: str, out: str) -> None:
         ]
         errors[f"{mode} causal={causal} length={length}"] = max(diffs)
     errors.update(loss_errors(rank, cp, group))
+    errors.update(grouped_query_errors(rank, cp, group))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(errors, f)
     dist.destroy_process_group()
+
+
+def grouped_query_errors(rank: int, cp: int, group) -> dict[str, float]:
+    """Ring and allgather with 4 query heads sharing 2 key/value heads, on each block kernel
+    (the CUDA ones emulated on the CPU: tests/unit/test_context_kernels.py), against
+    F.scaled_dot_product_attention(enable_gqa=True) over the whole sequence; and how many heads
+    beyond the model's 2 the ring's exchanges carried (must be none: K/V travel unrepeated)."""
+    import torch.nn.functional as F
+
+    from framework.parallel.context import attention, kernels
+    from tests.unit.test_context_kernels import EmulatedCudaOps
+
+    kernels.aten = EmulatedCudaOps()
+    sent: list[int] = []  # the head count of every block the ring passed on (dim 2)
+    exchange = attention.exchange
+
+    def recorded(x, *args):
+        sent.append(x.shape[2])
+        return exchange(x, *args)
+
+    attention.exchange = recorded
+    errors = {}
+    length, kv_heads = 4 * cp, 2
+    for mode in ("ring", "allgather"):
+        for kernel in kernels.KERNELS:
+            for causal in (True, False):
+                gen = torch.Generator().manual_seed(7 + causal)
+                q, weight = (
+                    torch.randn(2, 4, length, 8, generator=gen, dtype=torch.float64) for _ in "qw"
+                )
+                k, v = (
+                    torch.randn(2, kv_heads, length, 8, generator=gen, dtype=torch.float64)
+                    for _ in "kv"
+                )
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                want = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
+                (want * weight).sum().backward()
+                index = context.zigzag_index(length, cp, rank)
+                mine = [t.index_select(2, index).detach().requires_grad_() for t in (q, k, v)]
+                got = context.split_attention(*mine, causal, mode, group, cp, rank, kernel)
+                (got * weight.index_select(2, index)).sum().backward()
+                diffs = [(got - want.index_select(2, index)).abs().max().item()]
+                diffs += [
+                    (m.grad - f.grad.index_select(2, index)).abs().max().item()
+                    for m, f in zip(mine, full, strict=True)
+                ]
+                errors[f"grouped-query {mode} {kernel} causal={causal}"] = max(diffs)
+    attention.exchange = exchange
+    errors["heads sent beyond the model's K/V heads"] = float(max(sent) - kv_heads)
+    return errors
 
 
 def loss_errors(rank: int, cp: int, group) -> dict[str, float]:
@@ -118,7 +170,7 @@ def run(cp: int, tmp_path) -> dict[str, float]:
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_mode_and_the_loss_match_whole_sequences(cp, tmp_path):
     worst = run(cp, tmp_path)
-    assert len(worst) == len(CASES) + 4
+    assert len(worst) == len(CASES) + 4 + 2 * 4 * 2 + 1
     far = worst.pop("mean of chunk means (far)")  # the ignored targets make it matter
     assert far > 1e-2, far
     bad = {case: err for case, err in worst.items() if not err <= 1e-6}

@@ -220,9 +220,10 @@ def attention(
     if scaling is not None and not math.isclose(scaling * math.sqrt(d), 1.0):
         query = query * (scaling * math.sqrt(d))  # the kernels scale by 1/sqrt(head_dim)
     groups = query.shape[1] // key.shape[1]
-    # the fused CPU kernel of ring/allgather takes fewer key/value heads (grouped-query
-    # attention): only their own heads travel; ulysses and other devices need them repeated
-    if groups > 1 and (plan.mode == "ulysses" or query.device.type != "cpu"):
+    # grouped-query attention: ring and allgather send the key/value heads as they are (each
+    # block's kernel repeats them where it needs to); ulysses splits the heads, so it needs
+    # them repeated
+    if groups > 1 and plan.mode == "ulysses":
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
     out = plan.attention(query, key, value, causal=causal)
     return out.transpose(1, 2).contiguous(), None

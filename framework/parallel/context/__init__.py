@@ -16,7 +16,8 @@ three modes:
 - `ulysses`: an all-to-all turns the sequence split into a head split (heads / cp per rank, the
   whole sequence), attention runs as on one process, and a second all-to-all turns it back.
 
-The attention and its collectives are in framework/parallel/context/attention.py. `parallelize` gives
+The attention and its collectives are in framework/parallel/context/attention.py, each block's
+fused kernel (CPU, CUDA flash or memory-efficient) in kernels.py. `parallelize` gives
 every module with a `context` attribute (framework.nn.Attention, SequenceSplit) one shared
 `ContextPlan`; the strategy turns it on for the training and validation steps (`running`), so
 the same model run outside them (sampling at the end of training) attends as on one process.
@@ -42,9 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.parallel.context.attention import (  # noqa: F401 (zigzag_order, split_attention_math: API)
+from framework.parallel.context.attention import (  # noqa: F401 (zigzag_order: API)
     split_attention,
-    split_attention_math,
     ulysses_attention,
     zigzag_index,
     zigzag_order,

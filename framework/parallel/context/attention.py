@@ -5,16 +5,17 @@ The sequence of `length` positions is cut into `2 x cp` equal chunks; rank r kee
 2cp-1-r (`zigzag_index`), which `block_parts` relies on: a K/V block from an earlier rank is seen
 by every local query through its head chunk only, one from a later rank by the local tail chunk
 only. The collectives are autograd Functions on torch.distributed's plain ones (all_gather,
-reduce_scatter, all_to_all, isend/irecv), so they run on gloo as on NCCL.
+reduce_scatter, all_to_all, batched isend/irecv), so they run on gloo as on NCCL. Each block's
+attention is one call of the device's fused kernel (framework/parallel/context/kernels.py).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from framework.parallel.context import kernels
 
 
 def zigzag_index(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -72,50 +73,24 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _RingPass(torch.autograd.Function):
-    """x sent to the next rank of the group, the previous rank's returned; backward the other way."""
-
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        ctx.args = group, size, rank
-        return exchange(x, group, (rank + 1) % size, (rank - 1) % size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group, size, rank = ctx.args
-        return exchange(grad, group, (rank - 1) % size, (rank + 1) % size), None, None, None
-
-
 def exchange(x: torch.Tensor, group, to: int, source: int) -> torch.Tensor:
+    """x sent to rank `to` of `group`, the tensor rank `source` sends returned. The send and
+    the receive are issued as one batch: NCCL runs a send only once the peer's matching receive
+    is posted, so two ranks that each first send to the other (cp=2: `to` is `source`) would
+    both wait behind their own receive for any block above NCCL's buffers (gloo buffers sends,
+    so only NCCL hangs)."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    works = [
-        dist.isend(x, group=group, group_dst=to),
-        dist.irecv(out, group=group, group_src=source),
+    ops = [
+        dist.P2POp(dist.isend, x, group=group, group_peer=to),
+        dist.P2POp(dist.irecv, out, group=group, group_peer=source),
     ]
-    for work in works:
+    for work in dist.batch_isend_irecv(ops):
         work.wait()
     return out
 
 
 # ---- attention
-
-
-def flash(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp of the scores (batch, heads, positions)) of one block, by
-    torch's fused CPU kernel: no score matrix is kept."""
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    return out, lse  # lse in fp32 (fp64 for fp64 inputs)
-
-
-def flash_backward(dout, q, k, v, out, lse, causal: bool):
-    """(dq, dk, dv) of one block, given the output and log-sum-exp of the whole attention (the
-    softmax's normalisation over every block)."""
-    args = [t.contiguous() for t in (dout, q, k, v, out)]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *args, lse.contiguous(), 0.0, causal
-    )
 
 
 def merge(out, lse, out2, lse2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,13 +117,15 @@ def block_parts(step: int, source: int, rank: int, half: int, causal: bool):
 
 class _SplitAttention(torch.autograd.Function):
     """Attention of the local queries over every rank's K/V blocks, one fused-kernel call per
-    block merged by log-sum-exp; backward per block with the merged output and log-sum-exp.
-    `ring`: blocks passed rank to rank (forward and again in backward, with their gradients
-    travelling along and returned to their owner); `allgather`: all blocks gathered at once
-    (kept for backward), their gradients reduce-scattered."""
+    block (framework/parallel/context/kernels.py) merged by log-sum-exp; backward per block with
+    the merged output and log-sum-exp. `ring`: blocks passed rank to rank (forward and again in
+    backward, with their gradients travelling along and returned to their owner); `allgather`:
+    all blocks gathered at once (kept for backward), their gradients reduce-scattered. K/V keep
+    their own head count (grouped-query attention) on the way; a kernel that needs them repeated
+    repeats them per block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, mode, group, size, rank):
+    def forward(ctx, q, k, v, causal, mode, group, size, rank, kernel):
         half = q.shape[2] // 2
         kv = torch.stack([k, v])
         every = _AllGather.apply(kv, group, size) if mode == "allgather" else None
@@ -160,20 +137,23 @@ class _SplitAttention(torch.autograd.Function):
             elif step:
                 kv = exchange(kv, group, (rank + 1) % size, (rank - 1) % size)
             rows, cols, masked = block_parts(step, source, rank, half, causal)
-            o, m = flash(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], masked)
+            o, m = kernels.block(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], masked, kernel
+            )
+            m = m.to(torch.promote_types(m.dtype, torch.float32))
             if out is None:
                 out, lse = o.to(m.dtype), m
             else:
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, m)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *([every] if every is not None else []))
-        ctx.args = causal, mode, group, size, rank
+        ctx.args = causal, mode, group, size, rank, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *kept = ctx.saved_tensors
-        causal, mode, group, size, rank = ctx.args
+        causal, mode, group, size, rank, kernel = ctx.args
         half = q.shape[2] // 2
         acc = lse.dtype  # gradients summed over blocks in fp32 (fp64 for fp64 inputs)
         dq = torch.zeros_like(q, dtype=acc)
@@ -191,7 +171,7 @@ class _SplitAttention(torch.autograd.Function):
                 )
                 kv, dkv = both[:2].to(q.dtype), both[2:]
             rows, cols, masked = block_parts(step, source, rank, half, causal)
-            grads = flash_backward(
+            grads = kernels.block_backward(
                 dout[:, :, rows],
                 q[:, :, rows],
                 kv[0][:, :, cols],
@@ -199,6 +179,7 @@ class _SplitAttention(torch.autograd.Function):
                 out[:, :, rows],
                 lse[:, :, rows],
                 masked,
+                kernel,
             )
             dq[:, :, rows] += grads[0]
             dkv[0][:, :, cols] += grads[1]
@@ -208,7 +189,8 @@ class _SplitAttention(torch.autograd.Function):
         elif size > 1:  # the last block's gradients, complete, back to their owner
             dkv = exchange(dkv, group, (rank + 1) % size, (rank - 1) % size)
         dtype = q.dtype
-        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), None, None, None, None, None
+        grads = dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype)
+        return (*grads, None, None, None, None, None, None)
 
 
 def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
@@ -218,46 +200,16 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def split_attention(q, k, v, causal, mode, group, size, rank) -> torch.Tensor:
-    if q.device.type != "cpu":  # the fused kernel used here is the CPU one
-        return split_attention_math(q, k, v, causal, mode, group, size, rank)
-    return _SplitAttention.apply(q, k, v, causal, mode, group, size, rank)
-
-
-def split_attention_math(q, k, v, causal, mode, group, size, rank) -> torch.Tensor:
-    """The same blocks and merge in differentiable torch ops (score matrices kept for backward:
-    more memory), for devices without the CPU kernel."""
-    half = q.shape[2] // 2
-    kv = torch.stack([k, v])
-    every = _AllGather.apply(kv, group, size) if mode == "allgather" else None
-    out, lse = None, None
-    for step in range(size):
-        source = (rank - step) % size
-        if every is not None:
-            kv = every[source]
-        elif step:
-            kv = _RingPass.apply(kv, group, size, rank)
-        rows, cols, masked = block_parts(step, source, rank, half, causal)
-        o, m = math_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], masked)
-        if out is None:
-            out, lse = o, m
-        elif rows.start is None:
-            out, lse = merge(out, lse, o, m)
-        else:
-            o, m = merge(out[:, :, rows], lse[:, :, rows], o, m)
-            out = torch.cat([out[:, :, :half], o], dim=2)
-            lse = torch.cat([lse[:, :, :half], m], dim=2)
-    return out.to(q.dtype)
-
-
-def math_block(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        n = scores.shape[-1]
-        keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1).to(scores.dtype)) @ v, lse
+def split_attention(q, k, v, causal, mode, group, size, rank, kernel=None) -> torch.Tensor:
+    """Ring or allgather attention of this rank's queries (batch, heads, local positions,
+    head_dim) over the group's K/V (which may have fewer heads: grouped-query attention), on
+    the device's kernel (kernels.kernel_for) unless `kernel` names one."""
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"{q.shape[1]} query heads cannot share {k.shape[1]} key and {v.shape[1]} value heads"
+        )
+    kernel = kernel or kernels.kernel_for(q)
+    return _SplitAttention.apply(q, k, v, causal, mode, group, size, rank, kernel)
 
 
 def ulysses_attention(q, k, v, causal, group, size) -> torch.Tensor:
