@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+
+log = logging.getLogger("framework")
 
 
 @dataclass(frozen=True)
@@ -92,3 +95,96 @@ def local_device(world: World):
     import torch
 
     return torch.device("cuda", world.local_rank) if world.is_cuda else torch.device("cpu")
+
+
+# ---- CPU-side process groups
+
+HOST_GROUP = (
+    "host:"  # group_desc prefix of every group host_group makes (framework.parallel.nccl_rules)
+)
+GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
+
+
+def host_group(purpose: str):
+    """A new gloo process group of every process, for collectives of CPU tensors beside the
+    training's (the preemption vote, the loss guard's verdict, a background checkpoint write's):
+    on a GPU job the training's groups are NCCL, which takes no CPU tensor, and reading a flag
+    back from the GPU would wait for the whole step. Every process makes it at the same point
+    (a collective). In a job over several machines on CUDA gloo is given an explicit network
+    interface first (`gloo_interface`): alone it binds to whatever the host name resolves to
+    (127.0.1.1 on stock images, or an interface the other machines cannot reach), and the
+    first collective hangs."""
+    import torch.distributed as dist
+
+    if is_multi_node_cuda(os.environ, dist.get_backend()):
+        interface = gloo_interface(os.environ)
+        if interface and not os.environ.get(GLOO_INTERFACE_ENV):
+            os.environ[GLOO_INTERFACE_ENV] = interface  # read by gloo at each group's creation
+            log.info("gloo groups bind to %s (%s)", interface, GLOO_INTERFACE_ENV)
+    return dist.new_group(backend="gloo", group_desc=f"{HOST_GROUP}{purpose}")
+
+
+def is_multi_node_cuda(environ, backend: str) -> bool:
+    """Whether this worker is one of a CUDA job (NCCL as the default backend) over several
+    machines (fewer processes on this machine than in the job)."""
+    if backend != "nccl":
+        return False
+    local, total = environ.get("LOCAL_WORLD_SIZE"), environ.get("WORLD_SIZE")
+    if local and total:
+        return int(local) < int(total)
+    nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "1"
+    return int(nodes) > 1
+
+
+def gloo_interface(environ) -> str | None:
+    """The network interface this machine's gloo groups take: GLOO_SOCKET_IFNAME when set;
+    else NCCL_SOCKET_IFNAME when it names existing interfaces exactly (gloo takes exact names
+    only, NCCL also prefixes and exclusions); else the interface this machine reaches
+    MASTER_ADDR by, or when that is a loopback address (the master's own name resolving to
+    127.0.1.1) the first interface that is not a loopback, docker or veth one; None when none
+    is found."""
+    if environ.get(GLOO_INTERFACE_ENV):
+        return environ[GLOO_INTERFACE_ENV]
+    addresses = interface_addresses()
+    nccl = environ.get("NCCL_SOCKET_IFNAME", "")
+    names = [name.removeprefix("=") for name in nccl.split(",") if name]
+    if names and not nccl.startswith("^") and all(name in addresses for name in names):
+        return ",".join(names)
+    source = route_source(environ.get("MASTER_ADDR", ""))
+    by_address = {address: name for name, address in addresses.items()}
+    if source and not source.startswith("127."):
+        return by_address.get(source)
+    others = [n for n in addresses if not n.startswith(("lo", "docker", "veth"))]
+    return others[0] if others else None
+
+
+def route_source(host: str) -> str | None:
+    """The local address this machine sends from to reach `host` (no packet is sent)."""
+    import socket
+
+    if not host:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def interface_addresses() -> dict[str, str]:
+    """{interface name: its IPv4 address} of this machine's interfaces that have one (Linux)."""
+    import fcntl
+    import socket
+    import struct
+
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name[:15].encode())
+            try:
+                reply = fcntl.ioctl(s.fileno(), 0x8915, request)  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            found[name] = socket.inet_ntoa(reply[20:24])
+    return found

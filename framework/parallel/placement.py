@@ -15,7 +15,7 @@ reject, is found on a machine without one.
 
 from __future__ import annotations
 
-import traceback
+import sys
 from pathlib import Path
 
 import torch
@@ -122,13 +122,19 @@ class CollectiveDevices(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def caller() -> str:
-    """The innermost framework line on the stack outside this module, as `file:line`."""
-    package = Path(__file__).resolve().parents[1]
-    for frame in reversed(traceback.extract_stack()):
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(package) and path != Path(__file__).resolve():
-            return f"{path.relative_to(package.parent)}:{frame.lineno}"
+PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def caller(*outside: str) -> str:
+    """The innermost framework line on the stack outside this module (and the modules
+    `outside`, by file), as `file:line`."""
+    skipped = {__file__, *outside}
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(PACKAGE) and path not in skipped:
+            return f"{Path(path).resolve().relative_to(Path(PACKAGE).parent)}:{frame.f_lineno}"
+        frame = frame.f_back
     return "outside the framework"
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from framework.world import host_group
+
 log = logging.getLogger("framework")
 
 
@@ -30,8 +32,9 @@ class PreemptionVote:
     A blocking all-reduce every step would cost a round trip per step (about 30% of a small
     DDP step on CPU). Instead each step starts an asynchronous all-reduce of this rank's flag and
     reads the previous step's result, which has long arrived: the job stops one step later, at
-    no waiting cost. The flag is a CPU tensor on a gloo group: reading a CUDA flag (`.item()`)
-    would wait for everything queued on the GPU, the whole step, every step.
+    no waiting cost. The flag is a CPU tensor on a gloo group of its own
+    (framework.world.host_group): reading a CUDA flag (`.item()`) would wait for everything
+    queued on the GPU, the whole step, every step.
     """
 
     def __init__(self) -> None:
@@ -52,8 +55,7 @@ class PreemptionVote:
             work.wait()
             decided = int(flag.item())
         if self.group is None:  # every rank votes at the same step: a collective creation
-            gloo = dist.get_backend() == "gloo"
-            self.group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+            self.group = host_group("preemption-vote")
         flag = torch.tensor([int(local)])
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self.pending = (work, flag)

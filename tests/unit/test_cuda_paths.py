@@ -247,12 +247,60 @@ def test_the_preemption_vote_reads_no_gpu_tensor(monkeypatch):
     monkeypatch.setattr(ck.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(ck.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(ck.dist, "get_backend", lambda: "nccl")
-    monkeypatch.setattr(ck.dist, "new_group", lambda backend: groups.append(backend) or "gloo")
+    monkeypatch.setattr(
+        ck.dist, "new_group", lambda backend, group_desc: groups.append(backend) or "gloo"
+    )
     monkeypatch.setattr(ck.dist, "all_reduce", all_reduce)
     vote = ck.PreemptionVote()
     assert vote.agreed(0) == 0 and vote.agreed(15) == 0
     assert groups == ["gloo"], "one gloo group, made once"
     assert reduced == [("cpu", "gloo"), ("cpu", "gloo")]
+
+
+@pytest.mark.parametrize(
+    ("env", "interface"),
+    [
+        ({"MASTER_ADDR": "10.0.0.1"}, "ens5"),  # the route to the master
+        ({"MASTER_ADDR": "node0"}, "ens5"),  # the master's name resolving to 127.0.1.1 there
+        ({"MASTER_ADDR": "10.0.0.1", "NCCL_SOCKET_IFNAME": "ib0"}, "ib0"),  # NCCL's, exact
+        ({"MASTER_ADDR": "10.0.0.1", "NCCL_SOCKET_IFNAME": "ib"}, "ens5"),  # a prefix: not gloo's
+        ({"MASTER_ADDR": "10.0.0.1", "GLOO_SOCKET_IFNAME": "eth9"}, "eth9"),  # the user's
+    ],
+)
+def test_gloo_groups_of_a_multi_node_cuda_job_bind_to_an_explicit_interface(
+    env, interface, monkeypatch
+):
+    """Every CPU-side gloo group (the vote, the loss guard, background checkpoint writes) is
+    made by framework.world.host_group, which names gloo's interface in a CUDA job over several
+    machines: the one NCCL is told to use, else the one the master is reached by."""
+    import torch.distributed as dist
+
+    from framework import world
+
+    addresses = {"lo": "127.0.0.1", "docker0": "172.17.0.1", "ens5": "10.0.0.7", "ib0": "10.1.0.7"}
+    monkeypatch.setattr(world, "interface_addresses", lambda: addresses)
+    monkeypatch.setattr(
+        world, "route_source", lambda host: "10.0.0.7" if host[0].isdigit() else "127.0.1.1"
+    )
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16", **env}.items():
+        monkeypatch.setenv(name, value)
+    made = []
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(
+        dist,
+        "new_group",
+        lambda backend, group_desc: made.append(
+            (backend, group_desc, os.environ.get("GLOO_SOCKET_IFNAME"))
+        ),
+    )
+    world.host_group("loss-guard")
+    assert made == [("gloo", "host:loss-guard", interface)]
+    monkeypatch.setenv("WORLD_SIZE", "8")  # one machine: gloo left to its default
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    world.host_group("vote")
+    assert made[-1] == ("gloo", "host:vote", None)
 
 
 def test_grouped_experts_compute_in_bf16_under_bf16_mixed():

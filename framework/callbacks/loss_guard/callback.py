@@ -18,6 +18,7 @@ from framework.checkpoint import disk
 from framework.data.sampler import GlobalOrderSampler
 from framework.runtime.hooks import skip_unused
 from framework.strategy_base import StrategyBase
+from framework.world import host_group
 
 log = logging.getLogger("framework.loss_guard")
 SKIPPED_FILE = "skipped.jsonl"
@@ -83,8 +84,7 @@ class LossGuard(pl.Callback):
         if restored:  # resumed: the data position goes on from the checkpoint's
             self.epoch, self.cursor = int(restored["epoch"]), int(restored["cursor"])
         if trainer.world_size > 1:  # a CPU flag on a gloo group, as the preemption vote
-            gloo = dist.get_backend() == "gloo"
-            self.group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+            self.group = host_group("loss-guard")
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self.release_schedules()

@@ -35,7 +35,7 @@ from framework.parallel.placement import per_parameter_where_mixed, to_device
 from framework.parallel.settings import parallel_settings
 from framework.strategies.parallel import checkpoint_io
 from framework.strategy_base import StrategyBase
-from framework.world import collective_backend
+from framework.world import collective_backend, host_group
 
 log = logging.getLogger("framework.parallel")
 
@@ -298,7 +298,7 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = optimizer_state
         if self._save_group is None:  # its own group: the writer thread's collectives must not
-            self._save_group = dist.new_group(backend="gloo")  # interleave with training's
+            self._save_group = host_group("async-save")  # interleave with training's
         self.pending_save = dcp.async_save(
             state, checkpoint_id=path, process_group=self._save_group
         )
@@ -311,17 +311,8 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         return checkpoint_io.flat_optimizer_state(self.model, optimizer)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
-        if self.pipeline is None or self.inputs.move_from is not None:
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        path = Path(self.broadcast(checkpoint_path))
-        return checkpoint_io.load_flat(self.model, self.optimizers, path, weights_only)
-
-    def load_portable(self, state) -> None:
-        aliases = self.ties.aliases if self.ties is not None else None
-        checkpoint_io.load_portable(
-            self.model, self.optimizers, state, self.parameter_names(), aliases
-        )
+    def restore(self, source) -> None:
+        checkpoint_io.restore(self, source)
 
 
 @contextlib.contextmanager
