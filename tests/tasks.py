@@ -571,3 +571,44 @@ class StepCollectives(pl.Callback):
         path = f"{trainer.default_root_dir}/collectives-rank{trainer.global_rank}.json"
         with open(path, "w") as f:
             json.dump(out, f)
+
+
+class RecordNcclRules(pl.Callback):
+    """Records what every rank asks of the communication library during the training step
+    `step` (framework.parallel.nccl_rules: collectives, point-to-point ops, tensors made without
+    a device, gloo groups) and writes, on rank 0, <run dir>/nccl-rules.json: the ops seen and
+    the violations of NCCL's rules found over all ranks."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self.recorder = None
+        self.recorded = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and self.recorder is None:
+            from framework.parallel.nccl_rules import NcclRecorder
+
+            self.recorder = NcclRecorder()
+            self.recorder.step = self.step
+            self.recorder.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.recorder is not None and self.recorded is None:
+            self.recorder.__exit__(None, None, None)
+            self.recorded = self.recorder.record
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+
+        import torch.distributed as dist
+
+        from framework.parallel.nccl_rules import violations
+
+        records = [None] * trainer.world_size
+        dist.all_gather_object(records, self.recorded)
+        if trainer.global_rank == 0:
+            ops = sorted({e.op for r in records for e in r.events})
+            found = violations(dict(enumerate(records)))
+            out = os.path.join(trainer.default_root_dir, "nccl-rules.json")
+            with open(out, "w") as f:
+                json.dump({"ops": ops, "violations": found}, f, indent=1)

@@ -9,6 +9,7 @@ one process; bad settings are refused before launch."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.slow
 COMMON = [*QUIET, "trainer.deterministic=true", "trainer.log_every_n_steps=1", "logger=[csv]"]
 CP2 = ["strategy=fsdp", "strategy.cp=2"]
 GRADS = ["+callbacks.grads._target_=tests.tasks.StepGrads"]  # grads-rank{r}.pt at step 1
+# step 1 of every rank recorded and held to NCCL's rules (nccl-rules.json): the cp ring at
+# cp=2 with a pipeline's sends, and with the experts' all-to-all
+NCCL = ["+callbacks.nccl._target_=tests.tasks.RecordNcclRules"]
+RECORDED = ("pp2xcp2", "cp2xep2")
 TEN = "trainer.max_steps=10"
 VAL10 = "trainer.val_check_interval=10"
 MOE = [
@@ -120,7 +125,8 @@ def trained(tmp_path_factory):
     def run(name: str):
         if not (root / name / "metrics.csv").exists():
             grads = GRADS if name in {*GRADS_OF, *GRADS_OF.values()} else []
-            train(root / name, *RUNS[name][0], *grads, cwd=root)
+            nccl = NCCL if name in RECORDED else []
+            train(root / name, *RUNS[name][0], *grads, *nccl, cwd=root)
         return root / name
 
     return run
@@ -177,6 +183,20 @@ def routing(run) -> list[dict[str, str]]:
 
 def val_loss(run) -> float:
     return float(next(r["val/loss"] for r in read_metrics(run) if r.get("val/loss")))
+
+
+@pytest.mark.parametrize(
+    ("name", "ops"),
+    [("pp2xcp2", {"send", "recv_"}), ("cp2xep2", {"send", "recv_", "all_to_all_single"})],
+)
+def test_a_step_keeps_nccls_rules(name, ops, trained):
+    """Gloo forgives what NCCL does not: every rank's step 1, recorded on the CPU, issues its
+    point-to-point pairs batched (the cp ring at cp=2 sends to the rank it receives from) and
+    hands the collectives of the would-be NCCL groups only tensors on the device, in forward
+    and backward (framework/parallel/nccl_rules.py)."""
+    found = json.loads((trained(name) / "nccl-rules.json").read_text())
+    assert ops <= set(found["ops"]), found["ops"]
+    assert found["violations"] == []
 
 
 def test_validation_loss_counts_every_token_once(trained):
