@@ -90,11 +90,24 @@ def collective_backend(choice: str | None, world: World) -> str:
     return choice or ("nccl" if world.is_cuda else "gloo")
 
 
-def local_device(world: World):
-    """This process's torch device: its GPU (by local rank) on CUDA, else the CPU."""
+def local_device(world: World, first_gpu: int = 0):
+    """This process's torch device: its GPU (`first_gpu` + its local rank) on CUDA, else the
+    CPU."""
     import torch
 
-    return torch.device("cuda", world.local_rank) if world.is_cuda else torch.device("cpu")
+    if not world.is_cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", first_gpu + world.local_rank)
+
+
+def parallel_devices(world: World, first_gpu: int = 0):
+    """The devices of this machine's processes, by local rank, for Lightning's parallel
+    strategies (which otherwise take cuda:0 .. devices-1); None on the CPU (Lightning's own)."""
+    import torch
+
+    if not world.is_cuda:
+        return None
+    return [torch.device("cuda", first_gpu + r) for r in range(world.devices)]
 
 
 # ---- CPU-side process groups

@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib.util
 import socket
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 from framework.config.fields import doc
@@ -52,6 +53,13 @@ class TorchftSettings(CollectiveSettings):
         "torchft: seconds a step's all-reduce, commit vote or heal waits on other groups.",
         min=1,
     )
+    groups_per_machine: int = doc(
+        1,
+        "torchft on CUDA: replica groups started on one machine (consecutive group numbers); "
+        "each takes its own trainer.devices GPUs, group g from GPU (g mod groups_per_machine) x "
+        "trainer.devices on.",
+        min=1,
+    )
 
 
 def data_parallel(cfg: Any, world: World) -> tuple[int, int]:
@@ -59,6 +67,60 @@ def data_parallel(cfg: Any, world: World) -> tuple[int, int]:
     read in turn, group by group (group g's rank r is g*N + r of groups*N)."""
     group = cfg.replica_group * world.world_size
     return group + world.rank, cfg.replica_groups * world.world_size
+
+
+def first_gpu(cfg: Any, devices: int, group: int | None = None) -> int:
+    """The GPU index this replica group's local rank 0 takes (its processes take the next
+    `devices`): groups sharing a machine (`groups_per_machine`) take GPUs of their own; 0
+    without torchft."""
+    if cfg.fault_tolerance != "torchft":
+        return 0
+    group = cfg.replica_group if group is None else group
+    return (group % cfg.groups_per_machine) * devices
+
+
+def gpu_placement(cfg: Any, world: World) -> dict[str, list[tuple[str, int]]]:
+    """The (machine, GPU) of every member of every NCCL group of a torchft job on CUDA: each
+    group's own processes, and the processes of rank r of every group, which torchft's NCCL
+    group joins (consecutive groups of `groups_per_machine` share a machine)."""
+    groups, n, k = cfg.replica_groups, world.devices, cfg.groups_per_machine
+
+    def place(group: int, rank: int) -> tuple[str, int]:
+        return f"machine {group // k}", first_gpu(cfg, n, group) + rank
+
+    placed = {f"replica group {g}": [place(g, r) for r in range(n)] for g in range(groups)}
+    for r in range(n):
+        placed[f"torchft's group of rank {r}"] = [place(g, r) for g in range(groups)]
+    return placed
+
+
+def claim_gpu(identity: str, holder: str, directory: str | None = None) -> IO[str]:
+    """This machine's claim on one GPU (`identity`: its UUID) for a process of a replica group,
+    held while the returned file is open (released when the process ends): a second group's
+    process started on the same GPU is refused here, naming the first (`holder`), instead of
+    NCCL refusing torchft's group at every step, where no step would ever commit."""
+    import fcntl
+    import tempfile
+
+    path = Path(directory or tempfile.gettempdir()) / f"fw-torchft-gpu-{identity}.lock"
+    claim = path.open("a+")
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        claim.seek(0)
+        first = claim.read().strip() or "another process"
+        claim.close()
+        raise RuntimeError(
+            f"strategy.fault_tolerance=torchft: this GPU ({identity}) already runs {first}: "
+            "replica groups on one machine need GPUs of their own (NCCL refuses two members "
+            "of a group on one GPU); set strategy.groups_per_machine to the number of groups "
+            "started on this machine, or give each command its own CUDA_VISIBLE_DEVICES"
+        ) from None
+    claim.seek(0)
+    claim.truncate()
+    claim.write(holder)
+    claim.flush()
+    return claim
 
 
 def lighthouse_url(address: str) -> str:
@@ -108,6 +170,43 @@ def validate(cfg: Any, world: World) -> None:
             hint=f"Use 1 .. {cfg.replica_groups}.",
         )
     lighthouse_host_port(cfg.lighthouse)
+    if world.is_cuda:
+        check_gpus(cfg, world)
+
+
+def check_gpus(cfg: Any, world: World) -> None:
+    """On CUDA no two members of an NCCL group may share a GPU (NCCL refuses, and torchft's
+    group then never commits a step): the groups that share a machine fit its GPUs side by
+    side."""
+    from framework.parallel.nccl_rules import shared_devices
+    from framework.world import cuda_device_count
+
+    k = cfg.groups_per_machine
+    if k > cfg.replica_groups:
+        raise ConfigError(
+            "strategy.groups_per_machine",
+            k,
+            f"more than the strategy.replica_groups={cfg.replica_groups} that exist",
+            hint=f"Use 1 .. {cfg.replica_groups}.",
+        )
+    visible = cuda_device_count()
+    if visible and k * world.devices > visible:
+        raise ConfigError(
+            "strategy.groups_per_machine",
+            k,
+            f"{k} groups of trainer.devices={world.devices} GPUs need {k * world.devices} GPUs "
+            f"on this machine, which has {visible} (CUDA_VISIBLE_DEVICES counted)",
+            hint="Start fewer groups on this machine, or give each command its own "
+            "CUDA_VISIBLE_DEVICES and keep strategy.groups_per_machine=1.",
+        )
+    shared = shared_devices(gpu_placement(cfg, world))
+    if shared:
+        raise ConfigError(
+            "strategy.groups_per_machine",
+            k,
+            f"replica groups would share a GPU: {shared[0]}",
+            hint="Each group of a machine needs GPUs of its own.",
+        )
 
 
 def lighthouse_host_port(address: str) -> tuple[str, int]:

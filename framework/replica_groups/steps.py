@@ -36,6 +36,7 @@ step 0, before the heal).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from datetime import timedelta
 from typing import Any
@@ -45,7 +46,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from framework.replica_groups import lighthouse_url
+from framework.replica_groups import claim_gpu, lighthouse_url
 
 log = logging.getLogger("framework.torchft")
 
@@ -65,6 +66,7 @@ class ReplicaSteps:
         self._groups = 0  # replica groups in the last quorum, for the log
         self._quorum = False  # asked for the optimizer step under way
         self._undo: list[tuple[Any, dict]] = []  # schedulers as before a dropped step
+        self._gpu_claim: Any = None  # on CUDA: this machine's claim on the GPU (claim_gpu)
         super().__init__(*args, **kwargs)
 
     def setup(self, trainer: Any) -> None:
@@ -84,6 +86,12 @@ class ReplicaSteps:
         timeout = timedelta(seconds=cfg.fault_timeout_s)
         host, port = self._group_store()
         cuda = self.root_device.type == "cuda"
+        if cuda:  # another group's process on this GPU is refused now, not at every step
+            uuid = torch.cuda.get_device_properties(self.root_device).uuid
+            where = (
+                f"replica group {cfg.replica_group}'s rank {self.global_rank} (pid {os.getpid()})"
+            )
+            self._gpu_claim = claim_gpu(str(uuid), where)
         pg = ProcessGroupNCCL(timeout=timeout) if cuda else ProcessGroupGloo(timeout=timeout)
         manager = Manager(
             pg=pg,
@@ -260,6 +268,9 @@ class ReplicaSteps:
             self.manager.shutdown(wait=False)
             self.manager = None
         self._store = None
+        if self._gpu_claim is not None:
+            self._gpu_claim.close()
+            self._gpu_claim = None
         super().teardown()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from framework import replica_groups as torchft_groups  # not .replica_groups, our module
 from framework.config.fields import doc
-from framework.world import World, collective_backend, local_device
+from framework.world import World, collective_backend, local_device, parallel_devices
 
 
 @dataclass
@@ -76,10 +76,11 @@ def build(cfg: Config, world: World, inputs):
     from framework.strategies.ddp.strategy import PortableDDP, PortableSingleDevice
 
     torchft = cfg.fault_tolerance == "torchft"
+    first = torchft_groups.first_gpu(cfg, world.devices)  # groups sharing a machine: own GPUs
     if torchft and world.world_size == 1:
         from framework.strategies.ddp.replica_groups import ReplicaGroup
 
-        return ReplicaGroup(cfg, device=local_device(world), inputs=inputs)
+        return ReplicaGroup(cfg, device=local_device(world, first), inputs=inputs)
     if world.world_size == 1:
         return PortableSingleDevice(device=local_device(world), inputs=inputs)
     ddp = dict(
@@ -94,5 +95,5 @@ def build(cfg: Config, world: World, inputs):
     if torchft:  # DDP inside the group, torchft across the groups
         from framework.strategies.ddp.replica_groups import ReplicaGroupDDP
 
-        return ReplicaGroupDDP(cfg, **ddp)
+        return ReplicaGroupDDP(cfg, parallel_devices=parallel_devices(world, first), **ddp)
     return PortableDDP(**ddp)

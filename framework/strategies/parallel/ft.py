@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from framework.replica_groups import first_gpu
 from framework.replica_groups.steps import ReplicaSteps
 from framework.strategies.parallel.strategy import ParallelStrategy
+from framework.world import parallel_devices
 
 
 class ReplicaGroupFSDP(ReplicaSteps, ParallelStrategy):
@@ -22,6 +24,8 @@ class ReplicaGroupFSDP(ReplicaSteps, ParallelStrategy):
     def __init__(self, cfg: Any, dims: Any, world: Any, inputs: Any) -> None:
         super().__init__(cfg, cfg, dims, world, inputs=inputs)  # ReplicaSteps's, then ours
         self._group_data = (world.rank, world.world_size)  # the mesh's data coordinates
+        # groups sharing a machine take GPUs of their own (Lightning's default: cuda:0 ..)
+        self.parallel_devices = parallel_devices(world, first_gpu(cfg, world.devices))
 
     def setup_environment(self) -> None:
         # the mesh is the group's; the data rank is the group's share of all groups' processes
