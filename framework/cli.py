@@ -267,9 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             ["train", "sweep", "prepare", "check", "plan", "calibrate", "config", "export", "plot"],
         )
     except ConfigError as err:
-        from framework.secrets import redact_text
-
-        sys.stderr.write(f"error: {redact_text(str(err))}\n")
+        sys.stderr.write(f"error: {_shown(str(err), argv)}\n")
         return EXIT_CONFIG
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
@@ -286,7 +284,19 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(err, "exit_code", None) == EXIT_TERMINATED:  # worker.Terminated
             logging.getLogger("framework").warning("%s", err)
             return EXIT_TERMINATED
+        from framework.logs import redact_uncaught
+
+        redact_uncaught()  # the traceback Python prints next, without secrets
         raise
+
+
+def _shown(text: str, argv: list[str]) -> str:
+    """Text for the console: the environment's credentials, the secret config values handed to
+    the workers, URL passwords and the values given on this command line under secret keys
+    (whatever their length) replaced by '***'."""
+    from framework.secrets import command_line_secrets, environment_credentials, redact_text
+
+    return redact_text(text, command_line_secrets(argv) | environment_credentials())
 
 
 if __name__ == "__main__":

@@ -24,9 +24,17 @@ class ConfigError(Exception):
         hint: str | None = None,
         near: str | None = None,
     ) -> None:
+        from framework import secrets
+
         self.key = key
-        if _secret_key(key) and value not in (None, ""):
-            value = "***"  # an error message is printed: never a credential
+        if _secret_key(key) and value not in (None, "") and not isinstance(value, bool):
+            # an error message is printed: never a credential, nor a parser's quote of it
+            hidden = secrets.parts_of(value)
+            value = secrets.REDACTED
+            problem = secrets.scrub(problem, hidden)
+            hint = secrets.scrub(hint, hidden) if hint else hint
+        elif isinstance(value, str) and "=" in value:  # override words: `a.api_token=X b=1`
+            value = " ".join(secrets.redact_words(value.split(" ")))
         self.value = value
         self.problem = problem
         self.choices = [str(c) for c in choices] if choices is not None else None

@@ -13,14 +13,85 @@ NOISE = ("💡 Tip:",)
 
 class _ScrubSecrets(logging.Filter):
     """Replace URL passwords and credential values (environment, the secret config values the
-    workers are handed) in every message."""
+    workers are handed, values given under secret keys on the command line) in every message,
+    and in the traceback of an exception it logs (torch elastic logs a worker's with its
+    message)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from framework.secrets import redact_text
 
-        record.msg = redact_text(record.getMessage())
+        values = _secrets()
+        record.msg = redact_text(record.getMessage(), values)
         record.args = ()
+        if record.exc_info:
+            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.exc_text = redact_text(text, values)
+        if record.stack_info:
+            record.stack_info = redact_text(record.stack_info, values)
         return True
+
+
+SCRUB = _ScrubSecrets()
+
+
+def _secrets() -> set[str]:
+    from framework.secrets import process_secrets
+
+    return process_secrets()
+
+
+def scrub_every_handler() -> None:
+    """Put the secret scrubber on every log handler that exists now (torch's, which prints the
+    failure of a worker with its exception, Lightning's, the root logger's): a task's exception
+    may hold a secret value, and those handlers print it on the console."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):
+            if SCRUB not in handler.filters:
+                handler.addFilter(SCRUB)
+
+
+def _print_exception(kind, value, traceback) -> None:
+    """sys.excepthook: an uncaught exception's traceback as Python prints it, secrets replaced
+    (a task's exception in the one process that trains, or in a spawned worker)."""
+    import traceback as tb
+
+    from framework.secrets import redact_text
+
+    text = "".join(tb.format_exception(kind, value, traceback))
+    sys.stderr.write(redact_text(text, _secrets()))
+
+
+def _print_thread_exception(args) -> None:
+    if args.exc_type is SystemExit:
+        return
+    _print_exception(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def redact_uncaught() -> None:
+    """Make what sys.excepthook prints secret-free: ours, or the hook another library put in
+    its place since (W&B's prints the traceback itself, then calls the one it replaced), run
+    with its output scrubbed. Called where an exception is about to leave the process."""
+    import contextlib
+    import io
+
+    current = sys.excepthook
+    if current is _print_exception or getattr(current, "scrubbed", False):
+        return
+    if current is sys.__excepthook__:
+        sys.excepthook = _print_exception
+        return
+
+    def scrubbed(kind, value, traceback) -> None:
+        from framework.secrets import redact_text
+
+        printed = io.StringIO()
+        with contextlib.redirect_stderr(printed):
+            current(kind, value, traceback)
+        sys.stderr.write(redact_text(printed.getvalue(), _secrets()))
+
+    scrubbed.scrubbed = True  # type: ignore[attr-defined]
+    sys.excepthook = scrubbed
 
 
 class _DropNoise(logging.Filter):
@@ -35,10 +106,15 @@ def setup_logging(rank: int | None = None) -> None:
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[fw] %(message)s"))
-        handler.addFilter(_ScrubSecrets())
+        handler.addFilter(SCRUB)
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    scrub_every_handler()
+    import threading
+
+    redact_uncaught()
+    threading.excepthook = _print_thread_exception
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -55,3 +131,4 @@ def quiet_lightning() -> None:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _DropNoise) for f in handler.filters):
                 handler.addFilter(_DropNoise())
+    scrub_every_handler()

@@ -153,8 +153,6 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     import lightning.pytorch as pl
 
     from framework.callbacks.checkpoint.callback import STATE_FILE, Checkpointer, Preempted
-    from framework.checkpoint import disk
-    from framework.checkpoint.resume import needs_move
     from framework.config.elastic import fit_plan
     from framework.parallel.transforms import ModelTransforms
     from framework.runtime.elastic import callbacks as elastic_callbacks
@@ -176,13 +174,11 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = build_task(cfg.task)
     data = instantiate_args(cfg.task.data)
-    saved = disk.read_meta(resume_from) if resume_from else {}
-    moved = resume_from is not None and needs_move(saved, plan.checkpoint_format, world.world_size)
     inputs = StrategyInputs(
         transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
         data_parallel=data_parallel,
-        move_from=resume_from if moved else None,  # written by another layout or world size
         data_order=cfg.task.data_order,
+        trust_checkpoint=cfg.run.trust_checkpoint,
     )
     strategy = plan.strategy_plugin.build(plan.strategy, world, inputs)
     loggers = [
@@ -348,7 +344,13 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m framework.worker CONFIG [--resume CKPT]`: a worker spawned by launcher=local."""
     args = sys.argv[1:] if argv is None else argv
     resume = args[args.index("--resume") + 1] if "--resume" in args else None
-    entry(args[0], resume, "spawn")
+    try:
+        entry(args[0], resume, "spawn")
+    except BaseException:
+        from framework.logs import redact_uncaught
+
+        redact_uncaught()  # the traceback Python prints next, without secrets
+        raise
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from framework.config.fields import schema_error
 from framework.config.store import register
 from framework.errors import ConfigError
+from framework.secrets import redact_words
 
 log = logging.getLogger("framework.config")
 
@@ -44,17 +45,26 @@ def group_options(group: str, extra: list[Path] | None = None) -> list[str]:
 
 
 def parse_overrides(overrides: list[str]):
+    parser = OverridesParser.create()
     try:
-        return OverridesParser.create().parse_overrides(overrides)
+        return parser.parse_overrides(overrides)
     except OverrideParseException as err:
-        bad = next((o for o in overrides if "=" not in o and not o.startswith("~")), overrides[-1])
+        bad = next((o for o in overrides if not _parses(parser, o)), overrides[-1])
         raise ConfigError(
             "override",
-            bad,
+            _shown([bad]),
             "not a valid override",
             hint="Write overrides as key=value (e.g. trainer.max_steps=100), "
             "+key=value to add a key, ~key to delete one.",
         ) from err
+
+
+def _parses(parser, override: str) -> bool:
+    try:
+        parser.parse_overrides([override])
+    except OverrideParseException:
+        return False
+    return True
 
 
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
@@ -103,7 +113,7 @@ def compose_config(overrides: list[str], extra_dirs: list[Path] | None = None) -
     register()
     if any(o.is_sweep_override() for o in parse_overrides(overrides)):
         raise ConfigError(
-            "override", " ".join(overrides), "sweeps (a=1,2) need multirun", hint="Add -m."
+            "override", _shown(overrides), "sweeps (a=1,2) need multirun", hint="Add -m."
         )
     check_group_choices(overrides, extra_dirs)
     searchpath = [f"file://{p}" for p in search_dirs(extra_dirs)[:-1]]
@@ -148,8 +158,14 @@ def translate(err: Exception, overrides: list[str]) -> ConfigError:
         return ConfigError(full_key, "?", f"{where}: {detail}".rstrip("."))
     if isinstance(err, MissingConfigException):
         first = str(err).splitlines()[0]
-        return ConfigError("defaults", " ".join(overrides), first)
-    return ConfigError("config", " ".join(overrides), str(err).splitlines()[0].rstrip("."))
+        return ConfigError("defaults", _shown(overrides), first)
+    return ConfigError("config", _shown(overrides), str(err).splitlines()[0].rstrip("."))
+
+
+def _shown(overrides: list[str]) -> str:
+    """Override words as an error message may repeat them: values under secret keys, URL
+    passwords and credentials replaced (a message that quotes the command line is printed)."""
+    return " ".join(redact_words(overrides))
 
 
 def _given(key: str, overrides: list[str]) -> str:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from framework.errors import EXIT_PREEMPTED
+from framework.secrets import process_secrets, redact_text
 
 
 class WorkersPreempted(RuntimeError):
@@ -49,4 +50,7 @@ def describe_failures(err, log_dir: Path, ended: dict[int, tuple[float, str]] | 
             how = f"exit code {code}" if code >= 0 else f"killed by signal {failure.signal_name()}"
             found[rank] = (float(failure.timestamp), f"no Python exception recorded ({how})")
     ordered = sorted(found.items(), key=lambda kv: kv[1][0])
-    return "\n".join(f"rank {rank} failed: {message}" for rank, (_, message) in ordered)
+    text = "\n".join(f"rank {rank} failed: {message}" for rank, (_, message) in ordered)
+    # printed, and kept in run.json when the job restarts: the task's exception may hold a
+    # secret value (the worker's error file has it as raised)
+    return redact_text(text, process_secrets())

@@ -102,6 +102,7 @@ def make_jobs(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: d
             hint="Give at least one KEY=interval(a, b), KEY=range(a, b), KEY=choice(x, y) or "
             "KEY=x,y (or sweep.params in conf/sweep/*.yaml); a grid is `fw train -m`.",
         )
+    refuse_secret_search(space, secrets.SECRET)
     given_dir = next((o for o in fixed if o.lstrip("+").startswith("run.dir=")), None)
     fixed = [o for o in fixed if o != given_dir]
     name = flags.get("--study") or study_name(given_dir, fixed, written, cfg)
@@ -125,6 +126,7 @@ def make_jobs(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: d
         )
     plain = OmegaConf.to_container(job.cfg)
     keys = tuple(job.cfg.run.secret_keys)
+    refuse_secret_search(space, secrets.key_pattern(keys))
     return Search(
         cfg=cfg,
         space=space,
@@ -141,6 +143,23 @@ def make_jobs(cfg, overrides: list[str], dirs: list[Path], trials: int, flags: d
         secret_values=frozenset(secrets.secret_values(plain, secrets.key_pattern(keys))),
         dir_mode=files.dir_mode(job.cfg.run.dir_mode),
     )
+
+
+def refuse_secret_search(space: dict, pattern) -> None:
+    """ConfigError for a search over a key that holds a secret: Optuna keeps every sampled
+    value (and the choices) in its storage, in clear, and the trials are logged by value."""
+    from framework import secrets
+
+    for key in space:
+        if any(secrets.is_secret_key(part, pattern) for part in key.lstrip("+").split(".")):
+            raise ConfigError(
+                key,
+                "***",
+                "a search over a secret would keep its values in the study's storage and logs",
+                hint="Search over other keys; give the secret once, from the environment "
+                "(e.g. 'KEY=${oc.env:NAME}'), or take the key out of run.secret_keys if it "
+                "is no secret.",
+            )
 
 
 def logger_roles(cfg) -> tuple[str | None, list[str]]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from framework import secrets
 from framework.loggers.wandb.logger import redacted_argv
 
@@ -108,3 +110,73 @@ def test_a_count_of_tokens_is_shown_and_a_token_is_not(monkeypatch):
     assert "hf_token=***: " in str(ConfigError("hf_token", "hf_abcdef", "is wrong"))
     env = {"WANDB_API_TOKEN": "wb-12345678", "MAX_TOKENS": "409600", "FW_TOKENS": "1000000"}
     assert secrets.environment_credentials(env) == {"wb-12345678"}
+
+
+def test_more_credential_words_and_any_key_ending_in_key():
+    from framework.secrets import is_secret_key
+
+    for key in ("passphrase", "authorization", "signing_key", "ssh-key", "db_pwd", "auth"):
+        assert is_secret_key(key), key
+    for key in ("oauth", "basic_auth", "session_cookie", "PASSPHRASE"):
+        assert is_secret_key(key), key
+    for key in ("author", "authority", "tensor_keys", "monkey", "keyboard", "sort_keys"):
+        assert not is_secret_key(key), key
+    env = {"PWD": "/home/me/project", "OLDPWD": "/home/me", "DB_PWD": "pw-12345678"}
+    assert secrets.environment_credentials(env) == {"pw-12345678"}, "the shell's PWD is no secret"
+
+
+def test_a_short_value_under_a_secret_key_is_scrubbed_as_a_word():
+    """Six characters or more are scrubbed wherever they appear; a shorter value under a secret
+    key only where it stands alone (not inside a longer word or number), and a true/false or a
+    short number under such a key (use_auth_token, auth_timeout) is a setting, not a secret."""
+    cfg = {"extra": {"signing_key": "k9Q", "passphrase": "open", "use_auth_token": True}}
+    cfg["extra"]["auth_timeout"] = 30
+    assert secrets.redact(cfg, values=())["extra"] == {
+        "signing_key": "***",
+        "passphrase": "***",
+        "use_auth_token": True,
+        "auth_timeout": "***",
+    }
+    found = secrets.values_under_secret_keys(cfg)
+    assert found == {"k9Q", "open"}
+    text = "login k9Q failed (k9Qx kept), 'open' refused at step 30; reopen"
+    assert secrets.redact_text(text, found) == (
+        "login *** failed (k9Qx kept), '***' refused at step 30; reopen"
+    )
+
+
+BAD_OVERRIDES = {
+    # a token the override parser refuses: the parser's error quotes the override
+    "unparsable value": (["launcher.rdzv_token=Zm9vYmFy/c2VjcmV0+=="], "Zm9vYmFy/c2VjcmV0"),
+    # Hydra's error for a key given twice: the whole command line is echoed
+    "key given twice": (["+extra.api_token=dup-7c1e9b", "+extra.api_token=dup-7c1e9b"], "dup-"),
+    # OmegaConf's message quotes the list it cannot convert
+    "list under a secret key": (["launcher.rdzv_token=[lst-4b7d2e,lst-9a3f1c]"], "lst-"),
+    "short value": (["+extra.db_pwd=Zq4", "+extra.db_pwd=Zq4"], "Zq4"),
+    "short list elements": (["launcher.rdzv_token=[Zq4,Wx5]"], "Zq4"),
+}
+
+
+@pytest.mark.parametrize(("args", "secret"), list(BAD_OVERRIDES.values()), ids=list(BAD_OVERRIDES))
+def test_an_error_about_a_secret_override_does_not_repeat_it(
+    args, secret, workdir, monkeypatch, capsys
+):
+    from tests.conftest import QUIET, refused
+
+    err = refused([*args, *QUIET], workdir, monkeypatch, capsys)
+    assert secret not in err and "***" in err, err
+
+
+def test_a_search_over_a_secret_key_is_refused_before_anything_is_written(
+    workdir, monkeypatch, capsys
+):
+    """Optuna keeps each sampled value and the choices in its storage, in clear: a search over
+    a secret is refused (exit 2), nothing is written, and the values are not echoed."""
+    from framework.cli import main
+
+    monkeypatch.chdir(workdir)
+    args = ["sweep", "+extra.api_token=choice(tok-5e1a9c,tok-3b8d7f)", "--trials", "1"]
+    assert main([*args, "trainer.max_steps=1", "run.dir=search"]) == 2
+    err = capsys.readouterr().err
+    assert "+extra.api_token=***: a search over a secret" in err, err
+    assert "tok-" not in err and not (workdir / "search").exists()

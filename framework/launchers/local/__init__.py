@@ -34,6 +34,7 @@ from framework.launch.outcomes import WorkersPreempted, describe_failures, preem
 from framework.launch.preload import Preload
 from framework.launch.restarts import WorkerFailure, after, record_restart, with_restarts
 from framework.launch.signals import PREEMPT_SIGNALS, child_pids, forward_signals, signal_workers
+from framework.logs import scrub_every_handler
 from framework.watchdog import HEARTBEAT_ENV, WATCHED, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
 
@@ -363,6 +364,7 @@ def start_workers(
     preload = Preload(beats) if method == "fork" and cfg.fast_start and restartable else None
     if preload is not None:
         preload.start()
+    scrub_every_handler()  # torch's handlers print a failed worker's exception
     try:
         elastic_launch(launch_config, entrypoint)(*args)
     except ChildFailedError as err:
