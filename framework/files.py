@@ -30,15 +30,21 @@ def dir_mode(text: str | int | None) -> int:
 
 
 def make_dir(path: Path, mode: int = DIR_MODE) -> Path:
-    """Create the directory `path` as `mode` (missing parents as usual); one that exists is left
-    as its owner set it."""
+    """Create the directory `path` as `mode`, and each missing parent too (the default `runs/`:
+    created as the umask allows, it would be 0777 under umask 000); one that exists is left as
+    its owner set it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(path, mode)
-    except FileExistsError:
-        if not path.is_dir():
-            raise
+    missing = []
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    for directory in [*reversed(missing), path]:
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            if not directory.is_dir():
+                raise
     return path
 
 

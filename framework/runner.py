@@ -85,7 +85,7 @@ def make_jobs(
             external.check_world(validated.world)
         jobs.append(Job(validated, Path(cfg.run.dir), group=group))
     for job in jobs:
-        check_run_dir(job.run_dir)
+        check_run_dir(job.run_dir, job.cfg.run.allow_foreign_dir)
         plugin, strategy = job.plan.strategy_plugin, job.plan.strategy
         job.resume_from = resume.choose(
             job.cfg.resume,
@@ -120,10 +120,21 @@ def resolve(cfg: DictConfig) -> None:
         raise ConfigError(key, "?", str(err).splitlines()[0].rstrip(".")) from None
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """The run directory is a directory, or can be created."""
+def check_run_dir(run_dir: Path, allow_foreign: bool = False) -> None:
+    """The run directory is a directory of this user's (or `allow_foreign`), or can be
+    created."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("run.dir", str(run_dir), "exists and is not a directory")
+    owner = run_dir.stat().st_uid if run_dir.exists() else os.geteuid()
+    if owner != os.geteuid() and not allow_foreign:
+        raise ConfigError(
+            "run.dir",
+            str(run_dir),
+            f"is owned by another user ({_user_name(owner)}): its checkpoints, config.yaml and "
+            "run.json are theirs to write, and resuming would load what they put there",
+            hint="Use a directory of your own, or add run.allow_foreign_dir=true if you trust "
+            "its owner.",
+        )
     ancestor = run_dir
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -133,6 +144,15 @@ def check_run_dir(run_dir: Path) -> None:
         or not _can_create_in(ancestor)
     ):
         raise ConfigError("run.dir", str(run_dir), f"cannot be created: {ancestor} is not writable")
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name}, uid {uid}"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _can_create_in(directory: Path) -> bool:

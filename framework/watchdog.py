@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import shutil
 import signal
 import threading
 import time
@@ -147,10 +146,11 @@ class Watchdog(threading.Thread):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, STACK_SIGNAL)
             time.sleep(2.0)  # the dumps are written by each worker's faulthandler
-        target = self.run_dir / "stacks" / time.strftime("%Y-%m-%d_%H-%M-%S")
-        target.mkdir(parents=True, exist_ok=True)
-        for source in self._stack_files():
-            shutil.copyfile(source, target / source.name.removeprefix("stacks-"))
+        from framework import files
+
+        target = files.make_dir(self.run_dir / "stacks" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        for source in self._stack_files():  # 0640, whatever the umask, as the run's files
+            files.write_atomic(target / source.name.removeprefix("stacks-"), source.read_bytes())
         slow = ", ".join(f"rank {r}: {s:.0f} s" for r, s in sorted(stale.items()))
         self.fired = (
             f"the job hung: no training progress within launcher.hang_timeout_s="

@@ -165,13 +165,19 @@ class RunConfig:
     secret_keys: list[str] = doc(
         [],
         "More config key names (regexes) whose values are secret, besides token, api_key, "
-        "secret, password, credential, private_key: never written to disk or the console.",
+        "secret, password, passphrase, pwd, auth, authorization, credential, cookie, any "
+        "*_key: never written to disk or the console.",
     )
     dir_mode: str = doc(
         "0750",
         "Permissions (octal) of the directories a run creates: 0750 lets your group read the "
         "run, nobody else; its files are 0640 (never more open than your umask allows).",
         ("0700", "0750", "0755", "0770", "0775"),
+    )
+    allow_foreign_dir: bool = doc(
+        False,
+        "Use a run directory that another user owns (refused otherwise: its checkpoints and "
+        "files are theirs to plant, and resume=auto would load them).",
     )
 
 

@@ -93,3 +93,49 @@ def test_a_committed_checkpoint_is_narrowed_to_0640(tmp_path):
     assert modes["state.ckpt"] == modes["0.distcp"] == modes["meta.json"] == 0o640 & ~umask()
     assert modes["step00000003"] == modes["shard"] == 0o750
     assert disk.verify(final) is None
+
+
+def test_under_umask_000_the_default_runs_folder_and_the_run_are_private(tmp_path, monkeypatch):
+    """The missing parents of a run directory (the default `runs/`) are created with the run's
+    mode, not the umask's 0777: nobody else can rename or plant a run in them."""
+    from framework.runner import make_jobs, write_config
+
+    monkeypatch.chdir(tmp_path)
+    job = make_jobs([])[0]  # run.dir: runs/<date>_<time>
+    old = os.umask(0)
+    try:
+        write_config(job)
+    finally:
+        os.umask(old)
+    runs = tmp_path / "runs"
+    for directory in (runs, job.run_dir, job.run_dir / "checkpoints"):
+        assert directory.stat().st_mode & 0o777 == 0o750, directory
+    for name in ("config.yaml", "run.json"):
+        assert (job.run_dir / name).stat().st_mode & 0o777 == 0o640, name
+
+
+def foreign(path: Path, monkeypatch) -> None:
+    """Make `path` another user's: chown to nobody as root, else this process pretends to be
+    another user."""
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+    else:
+        uid = os.geteuid()
+        monkeypatch.setattr("framework.runner.os.geteuid", lambda: uid + 1)
+
+
+def test_a_run_directory_owned_by_another_user_is_refused(workdir, monkeypatch, capsys):
+    """Another local user can create the run directory first and plant a checkpoint that
+    resume=auto would load: refused (exit 2) unless run.allow_foreign_dir=true says so."""
+    from framework.runner import make_jobs
+    from tests.conftest import refused
+
+    run = workdir / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    foreign(run, monkeypatch)
+    err = refused([], workdir, monkeypatch, capsys)
+    assert "run.dir=" in err and "is owned by another user" in err, err
+    assert "run.allow_foreign_dir=true" in err
+    assert not (run / "config.yaml").exists()
+    job = make_jobs(["run.dir=run", "run.allow_foreign_dir=true"])[0]
+    assert job.run_dir == run.resolve()
