@@ -612,3 +612,62 @@ class RecordNcclRules(pl.Callback):
             out = os.path.join(trainer.default_root_dir, "nccl-rules.json")
             with open(out, "w") as f:
                 json.dump({"ops": ops, "violations": found}, f, indent=1)
+
+
+class CpuGradScaler(pl.Callback):
+    """The training step as a GPU runs `trainer.precision=16-mixed`, on the CPU: Lightning's
+    MixedPrecision plugin around `torch.amp.GradScaler("cpu")` replaces the strategy's precision
+    plugin at setup (on the CPU Lightning turns 16-mixed into bf16-mixed, which needs no
+    scaler). `autocast`: fp16 autocast of the forward (the CPU runs fp16 matmuls), else the
+    scaler alone on fp32; `overflow_steps`: an inf planted in a gradient after the backward at
+    those global steps, as an fp16 overflow leaves it. Every step's scale before and after is
+    written to <run dir>/scales-rank{r}.json at the end, with whether the weights are finite."""
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        autocast: bool = True,
+        overflow_steps: tuple[int, ...] = (),
+    ) -> None:
+        self.init_scale, self.growth_interval = init_scale, growth_interval
+        self.autocast, self.overflow_steps = autocast, set(overflow_steps)
+        self.scales: list[tuple[int, float, float]] = []  # (step, scale before, after)
+        self.grad_norms: list[float] = []  # at on_before_optimizer_step (unscaled by then)
+        self.before = None
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import contextlib
+
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        scaler = torch.amp.GradScaler(
+            "cpu", init_scale=self.init_scale, growth_interval=self.growth_interval
+        )
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        if not self.autocast:
+            plugin.forward_context = contextlib.nullcontext
+        trainer.strategy.precision_plugin = plugin
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step in self.overflow_steps:
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("inf")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = [p.grad.flatten() for p in pl_module.parameters() if p.grad is not None]
+        self.grad_norms.append(float(torch.cat(grads).norm()))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.before = (trainer.global_step, trainer.precision_plugin.scaler.get_scale())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.scales.append((*self.before, trainer.precision_plugin.scaler.get_scale()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        finite = all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())
+        out = os.path.join(trainer.default_root_dir, f"scales-rank{trainer.global_rank}.json")
+        with open(out, "w") as f:
+            json.dump(
+                {"scales": self.scales, "grad_norms": self.grad_norms, "weights_finite": finite}, f
+            )

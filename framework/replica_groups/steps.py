@@ -11,16 +11,19 @@ quorum), which owns the step, in the order torchft's own DDP and optimizer wrapp
   behind the others is healed then (below), so that it trains, and logs, that batch at the
   step and with the weights and learning rate of the others;
 - after the backward (and DDP's average, or FSDP2's reduce-scatter, inside a group of several
-  processes) the gradients (under FSDP2: this process's shards of them),
-  flattened into one buffer per dtype, are averaged over the groups of the quorum by the
-  Manager's all-reduce, each process with the processes of the same rank in the other groups
-  (on torchft's own process group, which it rebuilds whenever the quorum changes);
+  processes) and, under `16-mixed`, after the loss scaler's `unscale_` (groups' scales may
+  differ: a healed group's starts where its peer's was), the gradients (under FSDP2: this
+  process's shards of them), flattened into one buffer per dtype, are averaged over the groups
+  of the quorum by the Manager's all-reduce, each process with the processes of the same rank
+  in the other groups (on torchft's own process group, which it rebuilds whenever the quorum
+  changes), before any callback or clipping looks at them; an overflow in any group's
+  gradients makes every group's scaler skip the step;
 - the optimizer steps only when the step's all-reduce went through (`should_commit`): a step
   during which a group died is dropped, and the survivors go on with their next batch, no
   process restarted, no checkpoint read (a group that committed it while another did not is
   ahead by one step: the other heals from it at the next quorum);
-- a group that (re)joins behind the others is sent the model, optimizer and scheduler states
-  and the step by a live peer (the Manager's state_dict callbacks, over HTTP), and steps with
+- a group that (re)joins behind the others is sent the model, optimizer, scheduler and loss
+  scaler states and the step by a live peer (the Manager's state_dict callbacks, over HTTP), and steps with
   them from there.
 
 Lightning's step counter follows the Manager's committed step, so that every group logs the
@@ -143,17 +146,28 @@ class ReplicaSteps:
         manager = self.manager
         if manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        plugin = self.precision_plugin
+        after_closure = plugin._after_closure
 
-        def closure_then_average(*args: Any, **kw: Any) -> Any:
-            result = closure(*args, **kw)
+        # the average and the commit vote between the backward and the callbacks' and clipping's
+        # look at the gradients, after the loss scaler's unscale_ (16-mixed): the only point
+        # Lightning's precision plugins have there is their `_after_closure`, for this step
+        def average_then_after_closure(module: Any, stepped: Any) -> None:
             self._average_gradients()
+            scaler = loss_scaler(plugin)
+            if scaler is not None:
+                agree_on_overflow(scaler, stepped, self.lightning_module)
             if not manager.should_commit():  # before the optimizer touches anything
                 raise _Dropped
-            return result
+            after_closure(module, stepped)
 
+        plugin._after_closure = average_then_after_closure
         try:
-            return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         except _Dropped:  # Lightning steps the schedulers after the batch all the same
+            scaler = loss_scaler(plugin)
+            if scaler is not None:  # unscaled but not stepped: ready for the next, scale kept
+                scaler.update(new_scale=scaler.get_scale())
             trainer = self.lightning_module.trainer
             self._undo = [
                 (c.scheduler, c.scheduler.state_dict())
@@ -167,6 +181,7 @@ class ReplicaSteps:
             )
             return None
         finally:
+            plugin.__dict__.pop("_after_closure", None)
             self._quorum = False
             self._follow_manager(manager.current_step())
 
@@ -243,6 +258,8 @@ class ReplicaSteps:
             "model": locals_of(self.lightning_module.state_dict()),
             "optimizers": [locals_of(o.state_dict()) for o in self.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            # 16-mixed: the loss scale and its growth tracker, as the live groups have moved them
+            "scaler": self.precision_plugin.state_dict(),
         }
 
     def _load_state(self, state: dict[str, Any]) -> None:
@@ -256,9 +273,11 @@ class ReplicaSteps:
             reshard_state(optimizer)
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
+        if state.get("scaler"):
+            self.precision_plugin.load_state_dict(state["scaler"])
         log.info(
-            "torchft: replica group %d healed from a live peer at step %d (model, optimizer "
-            "and scheduler state received; no checkpoint read)",
+            "torchft: replica group %d healed from a live peer at step %d (model, optimizer, "
+            "scheduler and loss scaler state received; no checkpoint read)",
             self.cfg.replica_group,
             self.manager.current_step(),
         )
@@ -272,6 +291,26 @@ class ReplicaSteps:
             self._gpu_claim.close()
             self._gpu_claim = None
         super().teardown()
+
+
+def loss_scaler(plugin: Any) -> Any:
+    """The precision plugin's gradient scaler (16-mixed), None without an enabled one."""
+    scaler = getattr(plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def agree_on_overflow(scaler: Any, optimizer: Any, module: Any) -> None:
+    """After the average every group holds the same gradients, so an overflow in any group's
+    is in everyone's (inf or nan); each scaler found only its own group's at `unscale_`. Found
+    again here, every group's scaler skips the step and lowers its scale alike (torch's
+    GradScaler keeps what `unscale_` found per optimizer, where `step` and `update` read it)."""
+    grads = [local(p.grad).detach() for p in module.parameters() if p.grad is not None]
+    norms = torch._foreach_norm(grads) if grads else []
+    if all(bool(torch.isfinite(n)) for n in norms):
+        return
+    found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+    for flag in found.values():
+        flag.fill_(1.0)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

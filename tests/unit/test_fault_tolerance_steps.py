@@ -107,3 +107,80 @@ def test_a_dropped_step_is_trained_again_at_its_step_with_its_lr(tmp_path, monke
     for r in rows:  # the linear schedule's lr at that step: the dropped try did not advance it
         step = int(r["step"])
         assert float(r["lr-AdamW"]) == pytest.approx(LR * (1 - 0.9 * step / STEPS)), r
+
+
+class PeerGroupManager(OneGroupManager):
+    """A Manager whose quorum has a second, live group: records the norm of each buffer the
+    strategy hands its all-reduce; at `overflow` the average carries the other group's fp16
+    overflow (an inf); at the quorum of `heal` the other group's state arrives (this group's
+    own, its loss scale at `peer_scale`: the peer's scaler has moved on)."""
+
+    def __init__(self, drop: int, overflow: int, heal: int, peer_scale: float) -> None:
+        super().__init__(drop)
+        self.overflow, self.heal, self.peer_scale = overflow, heal, peer_scale
+        self.handed: list[float] = []
+        self.strategy = None
+
+    def start_quorum(self) -> None:
+        super().start_quorum()
+        if self.step == self.heal and self.strategy is not None:
+            state = self.strategy._state()
+            state["scaler"]["scale"] = self.peer_scale
+            self.strategy._load_state(state)
+            self.heal = -1
+
+    def allreduce(self, tensor):
+        self.handed.append(float(tensor.norm()))
+        if self.step == self.overflow:
+            tensor[0] = float("inf")
+        return super().allreduce(tensor)
+
+    def num_participants(self) -> int:
+        return 2
+
+
+def test_groups_under_16_mixed_average_unscaled_gradients_and_agree_on_overflows(
+    tmp_path, monkeypatch, lighthouse
+):
+    """A replica group under fp16 with a loss scaler (Lightning's MixedPrecision around
+    torch.amp.GradScaler("cpu"), tests.tasks.CpuGradScaler): torchft averages the unscaled
+    gradients (groups' scales differ after a heal: scaled ones would mix units); another
+    group's overflow in the average makes this group's scaler skip the step too (else the
+    optimizer applies an inf); a dropped step leaves the scaler ready for the next; a heal
+    brings the peer's loss scale."""
+    import json
+
+    from framework.cli import main
+    from framework.strategies.ddp import replica_groups
+
+    manager = PeerGroupManager(drop=2, overflow=4, heal=6, peer_scale=1024.0)
+
+    def start(strategy):
+        manager.strategy = strategy
+        return manager
+
+    monkeypatch.setattr(replica_groups.ReplicaSteps, "_start_manager", start)
+    monkeypatch.chdir(tmp_path)
+    args = [
+        "task=digits",
+        "trainer.max_steps=8",
+        "trainer.limit_val_batches=0",
+        "strategy=ddp",
+        "strategy.fault_tolerance=torchft",
+        f"strategy.lighthouse={lighthouse}",
+        "+callbacks.fp16._target_=tests.tasks.CpuGradScaler",
+        *QUIET,
+        "run.dir=run",
+    ]
+    assert main(["train", *args]) == 0
+    seen = json.loads((tmp_path / "run" / "scales-rank0.json").read_text())
+    scales = {step: (before, after) for step, before, after in seen["scales"]}
+    assert len(manager.handed) == 9  # 8 steps and the dropped try, whose callbacks never ran
+    handed = manager.handed[:2] + manager.handed[3:]
+    for handed, applied in zip(handed, seen["grad_norms"], strict=True):
+        if applied == applied and applied != float("inf"):  # the overflowed step aside
+            assert handed == pytest.approx(applied, rel=1e-5), "scaled gradients were averaged"
+    assert scales[4][1] == scales[4][0] / 2, "the other group's overflow: this scaler skipped too"
+    assert seen["weights_finite"], "an overflowed average was applied"
+    assert scales[6][0] == 1024.0, "the heal brought the peer's loss scale"
+    assert manager.step == 8
