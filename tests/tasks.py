@@ -656,7 +656,7 @@ class CpuGradScaler(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         grads = [p.grad.flatten() for p in pl_module.parameters() if p.grad is not None]
-        self.grad_norms.append(float(torch.cat(grads).norm()))
+        self.grad_norms.append(float(torch.cat(grads).norm()) if grads else float("nan"))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.before = (trainer.global_step, trainer.precision_plugin.scaler.get_scale())

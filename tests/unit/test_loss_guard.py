@@ -81,3 +81,77 @@ def test_bad_settings_exit_2_before_anything_starts(
     ]
     err = refused(args, workdir, monkeypatch, capsys)
     assert message in err
+
+
+def guarded_under_a_loss_scaler(workdir, monkeypatch, *args: str) -> tuple[int, list, dict]:
+    """`fw train` of digits in this process with the loss guard and fp16's loss scaler on the CPU
+    (tests.tasks.CpuGradScaler): its exit code, skipped.jsonl's records, the scales per step."""
+    import json
+
+    from framework.cli import main
+
+    monkeypatch.chdir(workdir)
+    code = main(
+        [
+            "train",
+            "task=digits",
+            "task._target_=tests.loss_guard_tasks.BadStepDigits",
+            "trainer.limit_val_batches=0",
+            "+callbacks.loss_guard.kind=loss_guard",
+            "+callbacks.fp16._target_=tests.tasks.CpuGradScaler",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+            "run.dir=run",
+            *args,
+        ]
+    )
+    skipped = workdir / "run" / "skipped.jsonl"
+    records = (
+        [json.loads(line) for line in skipped.read_text().splitlines()] if skipped.exists() else []
+    )
+    scales_file = workdir / "run" / "scales-rank0.json"
+    scales = json.loads(scales_file.read_text())["scales"] if scales_file.exists() else []
+    return code, records, {step: (before, after) for step, before, after in scales}
+
+
+@pytest.mark.slow
+def test_routine_fp16_overflows_are_left_to_the_loss_scaler(workdir, monkeypatch):
+    """fp16 autocast with a scale too large at first and a growth probe every 3 steps: the
+    scaler overflows and skips steps as it should, and `action=stop` does not stop the run."""
+    code, records, scales = guarded_under_a_loss_scaler(
+        workdir,
+        monkeypatch,
+        "trainer.max_steps=12",
+        "+callbacks.loss_guard.action=stop",
+        "+callbacks.fp16.init_scale=16777216.0",  # 2**24: fp16 gradients overflow
+        "+callbacks.fp16.growth_interval=3",
+    )
+    assert code == 0
+    assert records == []
+    overflowed = [step for step, (before, after) in scales.items() if after < before]
+    assert len(overflowed) >= 2, scales  # the first steps, and at least one growth probe
+    assert sorted(scales) == list(range(12))
+
+
+@pytest.mark.slow
+def test_a_bad_loss_and_overflows_below_scale_one_are_bad_steps_under_the_scaler(
+    workdir, monkeypatch
+):
+    """Under the scaler alone (fp32) with an inf planted in the gradients from step 4 on and a
+    NaN loss at step 2: the NaN is a bad step; the overflows at scales 8, 4, 2 and 1 are the
+    scaler's; from scale 0.5 on (step 8) the gradients are not finite at any scale: bad."""
+    code, records, scales = guarded_under_a_loss_scaler(
+        workdir,
+        monkeypatch,
+        "trainer.max_steps=12",
+        "+task.model.nan_steps=[2]",
+        "+callbacks.loss_guard.action=skip",
+        "+callbacks.fp16.init_scale=16.0",
+        "+callbacks.fp16.autocast=false",
+        "+callbacks.fp16.overflow_steps=[4,5,6,7,8,9,10,11]",
+    )
+    assert code == 0
+    assert [r["step"] for r in records] == [2, 8, 9, 10, 11], records
+    assert records[0]["reason"] == "non-finite loss"
+    assert records[1]["reason"] == "non-finite gradients at every loss scale down to 0.5"
+    assert [scales[s][0] for s in range(4, 9)] == [8.0, 4.0, 2.0, 1.0, 0.5]

@@ -5,7 +5,10 @@ Off by default; add it with `+callbacks.loss_guard.kind=loss_guard` (and its fie
 steps, every rank reports the loss it computed (pipeline: only the last stage has one) and
 whether its gradients are finite; one all-reduce gives every rank the same mean loss and the
 same verdict. A step is bad when the loss or a gradient norm is not finite, or, once `warmup`
-steps are seen, when the loss exceeds mean + `z` x std of the last `window` good losses. Then:
+steps are seen, when the loss exceeds mean + `z` x std of the last `window` good losses. Under
+`16-mixed` the gradient scaler's overflows (non-finite gradients with a finite loss, at its first
+steps and at each growth probe) are the scaler's to handle: it skips the step and lowers its
+scale; they are bad steps only once the scale has fallen below 1. Then:
 
 - `skip`: the gradients are dropped on every rank, so the optimizer step changes nothing (no
   update, no momentum, no weight decay); training goes on with the next batch.

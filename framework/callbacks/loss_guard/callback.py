@@ -23,6 +23,9 @@ from framework.world import host_group
 log = logging.getLogger("framework.loss_guard")
 SKIPPED_FILE = "skipped.jsonl"
 KEPT_POSITIONS = 100_000  # steps whose data position is remembered (a rollback's reach)
+# below this loss scale an fp16 loss scaler cannot make the gradients finite any more: they are
+# not finite by themselves (from 65536, 17 overflows in a row)
+MIN_LOSS_SCALE = 1.0
 
 
 class LossGuardStop(RuntimeError):
@@ -49,12 +52,21 @@ class SpikeWindow:
         self.seen += 1
 
 
-def judge(loss: float, grads_finite: bool, window: SpikeWindow) -> str | None:
-    """Why a step with this mean loss is bad, or None when it is good."""
+def judge(
+    loss: float, grads_finite: bool, window: SpikeWindow, scale: float | None = None
+) -> str | None:
+    """Why a step with this mean loss is bad, or None when it is good. Under an fp16 loss
+    scaler (`scale`: its scale) non-finite gradients with a finite loss are the scaler's
+    routine overflow (it skips the step and lowers its scale) until the scale falls below
+    MIN_LOSS_SCALE."""
     if not math.isfinite(loss):
         return "non-finite loss"
-    if not grads_finite:
+    if not grads_finite and scale is None:
         return "non-finite gradient norm"
+    if not grads_finite and scale < MIN_LOSS_SCALE:
+        return f"non-finite gradients at every loss scale down to {scale:g}"
+    if not grads_finite:
+        return None
     limit = window.threshold()
     if limit is not None and loss > limit:
         return f"loss spike ({loss:.6g} > {limit:.6g}: mean + {window.z:g} x std of the last {len(window.values)})"
@@ -101,9 +113,13 @@ class LossGuard(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         loss, grads_finite = self.agreed(trainer, pl_module)
-        reason = judge(loss, grads_finite, self.window)
+        scale = loss_scale(trainer)
+        reason = judge(loss, grads_finite, self.window, scale)
         if reason is None:
-            self.window.add(loss)
+            if grads_finite:
+                self.window.add(loss)
+            else:  # the scaler's to handle: it skips the step and lowers its scale
+                log.debug("callbacks.loss_guard: fp16 overflow at loss scale %g", scale)
             return
         step = trainer.global_step
         where = f"step {step} (epoch {trainer.current_epoch}, batch {self.batch_idx})"
@@ -250,6 +266,15 @@ class LossGuard(pl.Callback):
 
 def _hold(*args: Any, **kwargs: Any) -> None:
     """A schedule's `step` while the optimizer step it follows was dropped."""
+
+
+def loss_scale(trainer) -> float | None:
+    """The scale of the precision plugin's gradient scaler (`16-mixed`), None without one (its
+    steps' non-finite gradients are then never routine)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return float(scaler.get_scale())
 
 
 def grads_finite(module: torch.nn.Module) -> bool:
