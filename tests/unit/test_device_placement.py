@@ -39,6 +39,9 @@ LAYOUTS = [
     # torchmetrics states, outside every FSDP unit; and a pipeline's stages of a plain MLP
     ["task=digits", "strategy=fsdp", "trainer.devices=2"],
     ["task=digits", "strategy=pipeline", "trainer.devices=2"],
+    # context parallel's forward and backward: the ring's exchanges, ulysses' all-to-alls
+    ["experiment=gpt_tiny", "strategy=fsdp", "strategy.cp=2", "trainer.devices=2"],
+    ["experiment=gpt_tiny", "strategy=fsdp", "strategy.cp=2", "strategy.cp_mode=ulysses"],
 ]
 
 
@@ -63,7 +66,7 @@ def test_every_parallel_preset_leaves_nothing_off_the_gpu(preset):
 
 @pytest.mark.parametrize("args", LAYOUTS, ids=lambda a: " ".join(a[1:]))
 def test_every_layout_leaves_nothing_off_the_gpu(args):
-    n = 4 if "strategy.pp=2" in args else None
+    n = 4 if "strategy.pp=2" in args else 2 if "strategy.cp=2" in args else None
     placement([*args, f"trainer.devices={n}"] if n else args)
 
 
@@ -135,3 +138,26 @@ def test_clipping_scales_gradients_the_cpu_offload_keeps_on_the_cpu():
         p.grad = torch.full((4,), 3.0)
         norm = clip_by_total_norm([p], 1.0, torch.device("meta"))
     assert norm.device.type == "meta" and p.grad.device.type == "cpu"
+
+
+def test_a_cpu_tensor_in_an_all_to_all_of_the_forward_is_refused(monkeypatch):
+    """The step's forward and backward run on the GPU's stand-in too: an all-to-all of context
+    parallel (ulysses) given a buffer made without `device=` is found, with the calling line."""
+    import torch
+    import torch.distributed as dist
+
+    from framework.parallel.context import attention
+
+    def all_to_all(x, group):
+        out = torch.empty(x.shape, dtype=x.dtype)  # on the CPU, whatever x's device
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    args = ["experiment=gpt_tiny", "strategy=fsdp", "strategy.cp=2", "strategy.cp_mode=ulysses"]
+    placement([*args, "trainer.devices=2"])
+    monkeypatch.setattr(attention, "all_to_all", all_to_all)
+    with pytest.raises(ConfigError) as err:
+        placement([*args, "trainer.devices=2"])
+    message = str(err.value)
+    assert "alltoall_base of a cpu tensor" in message, message
+    assert "(framework/parallel/context/attention.py:" in message, message
