@@ -28,7 +28,10 @@ from torch import nn
 
 # model families besides the declared protocol: "module:attribute" of an adapter instance,
 # imported only when a task is looked at (generic code never imports an adapter's module)
-FAMILIES: list[str] = ["framework.integrations.hf.adapter:ADAPTER"]
+FAMILIES: list[str] = [
+    "framework.integrations.hf.adapter:ADAPTER",
+    "framework.integrations.torch_nn:ADAPTER",
+]
 _registered: list[Any] = []
 
 Chain = list[tuple[tuple[str, ...], Callable[[Any], Any]]]  # [(module names, run)] in order

@@ -28,6 +28,7 @@ STYLES = (
     "rowwise_from_replicated",
     "replicated_grad_sum",
     "gather_sequence_whole",
+    "multihead_attention",
 )
 
 
@@ -54,6 +55,8 @@ def style(name: str) -> Any:
     first input into a plain whole tensor, run the module on it as every tp rank does, and keep
     this rank's positions of its output (whose gradient backward all-gathers, so each rank
     computes the whole module's gradients: a MoE block whose experts ep splits).
+    multihead_attention: torch's nn.MultiheadAttention split by whole heads, its output
+    all-reduced (framework/parallel/multihead.py).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -107,10 +110,17 @@ def style(name: str) -> Any:
         "replicate_input": lambda: own["HiddenStates"](Replicate(), Replicate()),
         "rowwise_from_replicated": lambda: RowwiseParallel(input_layouts=Replicate()),
         "replicated_grad_sum": lambda: own["ReplicatedGradSum"](),
+        "multihead_attention": _heads,
     }
     if name not in makers:
         raise ValueError(f"unknown tensor-parallel style {name!r}; known: {', '.join(STYLES)}")
     return makers[name]()
+
+
+def _heads():
+    from framework.parallel.multihead import heads_parallel
+
+    return heads_parallel()
 
 
 @functools.cache
