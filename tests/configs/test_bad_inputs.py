@@ -137,8 +137,7 @@ CASES = {
             "strategy=tensor",
             "trainer.devices=2",
         ],
-        "strategy.tp=2: PlainTwoLayer declares no tensor-parallel plan, and none could be "
-        "inferred from its structure",
+        "strategy.tp=2: PlainTwoLayer has no module with a tensor-parallel plan",
     ),
     "expert parallel without experts": (
         ["strategy=fsdp", "strategy.ep=2", "trainer.devices=2"],

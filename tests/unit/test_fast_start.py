@@ -34,6 +34,7 @@ def test_the_direct_rendezvous_hands_the_agent_its_store_at_once():
 
     store = rendezvous.bound_store("127.0.0.1", 0, timedelta(seconds=10))
     rendezvous.register_backend()
+    rendezvous.use_token("job", "a-token-of-this-start")
     params = RendezvousParameters(
         backend=rendezvous.DIRECT,
         endpoint=f"127.0.0.1:{store.port}",
@@ -45,5 +46,7 @@ def test_the_direct_rendezvous_hands_the_agent_its_store_at_once():
     info = handler.next_rendezvous()  # no join protocol, no random wait
     assert (info.rank, info.world_size) == (0, 1)
     assert info.bootstrap_store_info.master_port == store.port
-    info.store.set("key", "value")  # the workers' store, under the job's prefix
-    assert store.get("job/key") == b"value"
+    info.store.set("key", "value")  # the workers' store, under the job's prefix, signed
+    assert info.store.get("key") == b"value"
+    raw = bytes(store.get("job/key"))
+    assert raw.endswith(b"value") and len(raw) == len(b"value") + 32, "a MAC, then the value"

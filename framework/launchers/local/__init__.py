@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -254,7 +255,12 @@ def run_elastic(
         if generation > 0:
             resume_from = disk.newest_complete(run_dir / "checkpoints") or resume_from
         fewest = cfg.min_nodes if generation else world.num_nodes
-        fewest = generations.expected(generation) or fewest
+        try:
+            fewest = generations.expected(generation) or fewest
+        except Exception as err:
+            if rendezvous.REFUSED in str(err):
+                raise forged(cfg.rdzv_endpoint, str(err)) from None
+            raise
         generations.count("members", generation, add=1)
         os.environ[RESTART_ENV] = str(restarts)
         watch = Watch(generations, generation, signal_workers)
@@ -274,6 +280,18 @@ def run_elastic(
         log.warning("Restart %d of %d after: %s", restarts, cfg.max_restarts, failure)
         record_restart(run_dir, restarts, failure)
         generation = generations.advance(generation)
+
+
+def forged(endpoint: str, what: str) -> ConfigError:
+    """The refusal of a job whose store held a value without the job's signature."""
+    return ConfigError(
+        "launcher.rdzv_endpoint",
+        endpoint,
+        f"{what.rstrip('.')}; the job stopped",
+        hint="A process that reached the store's port without the job's token tried to change "
+        "what the nodes do. Keep the rendezvous port reachable only from the job's machines "
+        "(a private network, a firewall) and the token secret.",
+    )
 
 
 def worker_args(
@@ -312,13 +330,12 @@ def start_workers(
 
     attempt = os.environ.get(RESTART_ENV, "0")
     endpoint, run_id, local_addr, store = cfg.rdzv_endpoint, None, None, None
-    backend = rendezvous.BACKEND
+    backend, token = rendezvous.BACKEND, rendezvous.job_token(cfg.rdzv_token)
     min_nodes, watch, rdzv_configs = world.num_nodes, None, {"join_timeout": cfg.join_timeout_s}
     if generation is not None:  # an elastic job: the node count of this start is open
         run_id, min_nodes, watch = generation
         rdzv_configs["last_call_timeout"] = cfg.rejoin_wait_s
     elif world.num_nodes > 1:  # every node names the same rendezvous, derived from the token
-        token = rendezvous.job_token(cfg.rdzv_token)
         run_id = f"{rendezvous.meeting(token, cfg.rdzv_id)}-{attempt}"
     else:  # nobody else needs to reach this job: its stores listen on loopback only
         host, _, port = cfg.rdzv_endpoint.rpartition(":")
@@ -327,7 +344,15 @@ def start_workers(
         store = rendezvous.bound_store(address, int(port or 0), timedelta(seconds=60))
         endpoint, run_id, local_addr = f"{address}:{store.port}", f"fw-{uuid.uuid4().hex}", address
         backend = rendezvous.DIRECT if cfg.fast_start else backend
+        # other users of this machine reach loopback too: each start signs with its own token
+        token = secrets.token_hex(16)
     rendezvous.register_backend()
+    rendezvous.use_token(run_id, token)
+    # the workers sign their process group's store with a key derived from it (forked workers
+    # inherit this environment, spawned ones get it from the agent)
+    os.environ[rendezvous.STORE_KEY_ENV] = rendezvous.store_key(token)
+    # every node has trainer.devices workers: the agents compute the ranks, not read them
+    os.environ[rendezvous.IDENTICAL_ENV] = "1"
     log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
     launch_config = LaunchConfig(
         min_nodes=min_nodes,
@@ -379,7 +404,18 @@ def start_workers(
             raise Terminated(terminated_message(run_dir)) from None  # not restarted
         if watchdog is not None and watchdog.fired:
             return watchdog.fired
-        return describe_failures(err, log_dir, exits.ended)
+        failure = describe_failures(err, log_dir, exits.ended)
+        if rendezvous.REFUSED in failure:  # a worker refused its process group's store
+            raise forged(endpoint, failure) from None
+        return failure
+    except Exception as err:
+        if rendezvous.REFUSED in str(err):  # the agent refused the rendezvous store
+            raise forged(endpoint, str(err)) from None
+        # another node's agent refused and closed the rendezvous: say why, not just "closed"
+        elsewhere = rendezvous.refused_elsewhere(endpoint, run_id, token) if store is None else None
+        if elsewhere is not None:
+            raise forged(endpoint, f"another node of the job stopped: {elsewhere}") from None
+        raise
     finally:
         if watch is not None:
             watch.stop()

@@ -94,9 +94,8 @@ class Attempt:
         """None when every rank finished, else what failed; raises WorkersPreempted."""
         from ray.util import placement_group, remove_placement_group
 
-        group = placement_group(
-            [bundle(self.cfg, self.world)] * self.world.world_size, strategy=self.cfg.strategy
-        )
+        bundles, strategy, _ = placement(self.cfg, self.world)
+        group = placement_group(bundles, strategy=strategy)
         beats = self.run_dir / f".fw-heartbeat-{os.getpid()}-{self.attempt}"
         previous = {s: signal.getsignal(s) for s in FORWARDED_SIGNALS}
         try:
@@ -104,11 +103,14 @@ class Attempt:
                 signal.signal(s, self._on_signal)
             if not group.wait(timeout_seconds=self.cfg.placement_timeout_s):
                 return (
-                    f"the Ray cluster did not free {self.world.world_size} bundles of "
-                    f"{fmt(bundle(self.cfg, self.world))} within "
+                    f"the Ray cluster did not free {len(bundles)} bundles of "
+                    f"{fmt(bundles[0])} ({strategy}) within "
                     f"launcher.placement_timeout_s={self.cfg.placement_timeout_s:g}"
                 )
-            envs = self.start_actors(group)
+            try:
+                envs = self.start_actors(group)
+            except UnevenNodes as err:
+                return str(err)
             self.start_watchdog(beats, envs)
             refs = [
                 actor.run.remote(env, os.getcwd(), str(config_path), str(resume_from or ""))
@@ -130,15 +132,17 @@ class Attempt:
         self.signalled.append(FORWARDED_SIGNALS[signal.Signals(signum)])
 
     def start_actors(self, group) -> list[dict]:
-        """One actor per bundle, ranks numbered node by node (rank 0 on bundle 0's node, local
-        ranks in bundle order); the environment of each rank, in rank order."""
+        """One actor per rank in its bundle (`placement`), ranks numbered node by node (rank 0
+        on bundle 0's node, local ranks in bundle order); the environment of each rank, in
+        rank order."""
         import ray
         from ray.util import placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         on_node = placement_group_table(group)["bundles_to_node_id"]
-        nodes = list(dict.fromkeys(on_node[i] for i in range(self.world.world_size)))
-        bundles = sorted(range(self.world.world_size), key=lambda i: (nodes.index(on_node[i]), i))
+        _, _, slots = placement(self.cfg, self.world)
+        nodes = list(dict.fromkeys(on_node[s] for s in slots))
+        order = sorted(range(len(slots)), key=lambda a: (nodes.index(on_node[slots[a]]), a))
         need = bundle(self.cfg, self.world)
         actor_class = ray.remote(Rank)
         self.actors = [
@@ -147,10 +151,10 @@ class Attempt:
                 num_gpus=need.get("GPU", 0),
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=index
+                    group, placement_group_bundle_index=slots[a]
                 ),
             ).remote(rank)
-            for rank, index in enumerate(bundles)
+            for rank, a in enumerate(order)
         ]
         self.places = ray.get([a.where.remote() for a in self.actors])
         return rank_envs(self.places, nodes, self.cfg, self.world, self.attempt)
@@ -280,8 +284,38 @@ def describe(ended: dict[int, dict]) -> str:
     return "\n".join(f"rank {rank} failed: {o['error']}" for rank, o in failed)
 
 
+def placement(cfg: Config, world: World) -> tuple[list[dict], str, list[int]]:
+    """The job's bundles, how Ray places them, and the bundle of each rank (by start order).
+    On the CPU one bundle per rank, placed by launcher.strategy. On CUDA one bundle of
+    trainer.devices GPUs per node, each on a node of its own (STRICT_SPREAD): Lightning asks
+    every node for trainer.devices GPUs, and a node given fewer ranks (PACK on a partly busy
+    cluster, SPREAD over more nodes than trainer.num_nodes) would see fewer; one given more
+    would number local ranks past its devices."""
+    one = bundle(cfg, world)
+    if not world.is_cuda:
+        return [one] * world.world_size, cfg.strategy, list(range(world.world_size))
+    node = {resource: amount * world.devices for resource, amount in one.items()}
+    ranks = [rank // world.devices for rank in range(world.world_size)]
+    return [node] * world.num_nodes, "STRICT_SPREAD", ranks
+
+
+class UnevenNodes(RuntimeError):
+    """A CUDA job's ranks were placed with other than trainer.devices on some node."""
+
+
 def rank_envs(places: list[dict], nodes: list[str], cfg: Config, world: World, attempt: int):
-    """The environment of each rank, as torch's elastic launch gives a local worker."""
+    """The environment of each rank, as torch's elastic launch gives a local worker. On CUDA
+    every node must hold trainer.devices ranks (UnevenNodes otherwise, before any rank runs)."""
+    if world.is_cuda:
+        counts = {node: sum(p["node"] == node for p in places) for node in nodes}
+        uneven = {node: n for node, n in counts.items() if n != world.devices}
+        if uneven:
+            shown = ", ".join(f"{n} on node {node[:8]}" for node, n in uneven.items())
+            raise UnevenNodes(
+                f"the Ray cluster placed {shown}: on CUDA every node must hold "
+                f"trainer.devices={world.devices} ranks (Lightning asks each node for that "
+                "many GPUs)"
+            )
     forwarded = {
         name: value
         for name, value in os.environ.items()

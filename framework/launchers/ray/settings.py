@@ -14,6 +14,7 @@ FORWARDED = [
     "TRANSFORMERS_*",
     "TORCH_*",
     "NCCL_*",
+    "GLOO_*",
     "DS_*",
     "OMP_NUM_THREADS",
     "PYTHONPATH",
@@ -34,7 +35,9 @@ class Config:
     strategy: str = doc(
         "PACK",
         "How the ranks' bundles are placed on nodes (Ray's placement strategies): PACK as few "
-        "nodes as possible, SPREAD over as many as possible, STRICT_SPREAD one node per rank.",
+        "nodes as possible, SPREAD over as many as possible, STRICT_SPREAD one node per rank. "
+        "On CUDA each node takes one bundle of trainer.devices GPUs, one node each "
+        "(STRICT_SPREAD), whatever this says.",
         STRATEGIES,
     )
     cpus_per_rank: int = doc(1, "CPUs reserved for each rank (and its CPU threads).", min=1)
