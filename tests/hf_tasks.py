@@ -71,6 +71,57 @@ class PlainQwen3(PlainLlama):
     extra = {"head_dim": 16}
 
 
+class PlainBert(pl.LightningModule):
+    """The most common transformers job: a `BertForSequenceClassification` fine-tune in a plain
+    LightningModule (random init, no download). transformers declares no tensor-parallel plan
+    for BERT; no dropout (a split activation draws its own mask on each rank)."""
+
+    def __init__(
+        self, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int = 256, lr: float = 1e-3
+    ) -> None:
+        super().__init__()
+        import transformers
+
+        self.lr = lr
+        config = transformers.BertConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * hidden,
+            max_position_embeddings=64,
+            num_labels=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        self.bert = transformers.BertForSequenceClassification(config)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss = self.bert(input_ids=tokens, labels=labels).loss
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class LabelledTokens(pl.LightningDataModule):
+    """Random token sequences (seed 0) labelled by whether their first token is even."""
+
+    def __init__(self, batch_size: int = 8, length: int = 16, vocab: int = 256) -> None:
+        super().__init__()
+        self.batch_size, self.length, self.vocab = batch_size, length, vocab
+
+    def setup(self, stage=None) -> None:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.vocab, (512, self.length), generator=generator)
+        self.train_set = torch.utils.data.TensorDataset(tokens, tokens[:, 0] % 2)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+
 class RandomTokens(pl.LightningDataModule):
     """Sequences of random tokens (seed 0), in memory, loaded as Lightning's docs teach."""
 

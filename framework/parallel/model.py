@@ -72,6 +72,7 @@ class ModelAdapter(Protocol):
     "nothing of mine" answer to each."""
 
     name: str
+    standard_layers: bool  # plans of standard layers, the rest inferred (FamilyAdapter's)
 
     def claims(self, task: nn.Module) -> bool:
         """Whether `task` holds a module of this family (cheap: no import of the family's
@@ -136,6 +137,11 @@ class FamilyAdapter:
     """The base of a family adapter: every question answered "nothing of mine"."""
 
     name = "family"
+    # True for a family of standard layers whose plans are known, not written for one model
+    # (torch's own transformer layers): a model made of them and plain modules has the rest of
+    # its plan inferred (framework/parallel/infer.py). False: the family's plans are its
+    # models' own, complete as declared.
+    standard_layers = False
 
     def claims(self, task: nn.Module) -> bool:
         return False
@@ -275,6 +281,15 @@ class TaskAdapter:
             )
             plan.update({k: v for k, v in found.items() if k not in plan})
         return plan
+
+    def declares_plan(self, task, **options) -> bool:
+        """Whether a family that declares its models' own plans (not a standard-layer one)
+        has a plan for the task (`options`: tensor_plan's): then nothing of it is inferred."""
+        return any(
+            adapter.tensor_plan(task, **options)
+            for adapter in self.adapters
+            if not adapter.standard_layers
+        )
 
     def check_tensor(self, task, tp: int) -> None:
         for adapter in self.adapters:

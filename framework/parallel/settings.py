@@ -14,14 +14,15 @@ from framework.parallel.parallelize import StageCut, TensorParallelSettings
 
 
 def tensor_plan(task: nn.Module, cfg: Any, dims: ParallelDims) -> dict[str, str]:
-    """The config's plan entries; for a model with no plans of its own and none given, the
-    automatic plan of plain shapes (checked before launch to exist)."""
-    from framework.parallel.tensor import auto_plan, collect_plan
+    """The config's plan entries; for a model that declares no plan of its own and is given
+    none, the plan inferred from its structure (framework/parallel/infer.py; checked before
+    launch to split something)."""
+    from framework.parallel.infer import plan_for
 
     given = dict(str(e).rsplit(":", 1) for e in cfg.tp_plan)
-    if given or dims.tp == 1 or collect_plan(task):
+    if given or dims.tp == 1:
         return given
-    return auto_plan(task, dims.tp)
+    return plan_for(task, dims.tp).plan
 
 
 def parallel_settings(

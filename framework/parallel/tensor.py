@@ -226,42 +226,6 @@ def collect_plan(
     return {name: style(s) if isinstance(s, str) else s for name, s in declared.items()}
 
 
-def auto_plan(model: nn.Module, tp: int) -> dict[str, str]:
-    """A plan for plain PyTorch shapes, for a model with none of its own.
-
-    In every `nn.Sequential`, a `nn.Linear` followed (after layers without parameters, such as
-    activations and dropout) by another `nn.Linear` is a Megatron pair: the first split by
-    columns, the second by rows (one all-reduce). A `nn.Embedding` is split over its rows (the
-    vocabulary). Only splits whose sizes divide by `tp` are taken.
-    """
-    plan: dict[str, str] = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(module, nn.Embedding) and module.num_embeddings % tp == 0:
-            plan[name] = "rowwise_embedding"
-        if not isinstance(module, nn.Sequential):
-            continue
-        children = list(module.named_children())
-        i = 0
-        while i < len(children):
-            first_name, first = children[i]
-            j = i + 1
-            while j < len(children) and not any(True for _ in children[j][1].parameters()):
-                j += 1
-            second = children[j][1] if j < len(children) else None
-            if (
-                isinstance(first, nn.Linear)
-                and isinstance(second, nn.Linear)
-                and first.out_features % tp == 0
-            ):
-                plan[prefix + first_name] = "colwise"
-                plan[prefix + children[j][0]] = "rowwise"
-                i = j + 1
-            else:
-                i += 1
-    return {k: v for k, v in plan.items() if k}
-
-
 def apply_tensor_parallel(
     model: nn.Module,
     mesh,

@@ -137,7 +137,8 @@ CASES = {
             "strategy=tensor",
             "trainer.devices=2",
         ],
-        "strategy.tp=2: PlainTwoLayer has no module with a tensor-parallel plan",
+        "strategy.tp=2: PlainTwoLayer declares no tensor-parallel plan, and none could be "
+        "inferred from its structure",
     ),
     "expert parallel without experts": (
         ["strategy=fsdp", "strategy.ep=2", "trainer.devices=2"],

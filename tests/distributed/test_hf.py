@@ -124,6 +124,6 @@ def test_tensor_parallel_splits_attention_and_mlp_by_the_model_plan(reference, t
     log = train(*args, *probes(tmp_path), cwd=tmp_path, family="PlainQwen3")
     assert_same(losses(tmp_path / "run"), reference("PlainQwen3"))
     assert_split(tmp_path, positions=16)
-    assert "split automatically" not in log
+    assert "inferred from its structure" not in log
     for entry in ("self_attn.k_proj:colwise", "self_attn.o_proj:rowwise", "mlp.down_proj:rowwise"):
         assert f"lm.model.layers.*.{entry}" in log, log[-3000:]

@@ -83,7 +83,7 @@ def test_kill_9_then_restart_is_exact_for_a_plain_loader(two_processes, workdir)
     assert got == want, "bitwise the uninterrupted run's losses"
 
 
-def test_tensor_parallel_splits_a_plain_sequential_automatically(one_process, workdir):
+def test_tensor_parallel_splits_a_plain_sequential_by_an_inferred_plan(one_process, workdir):
     shapes = [
         "+callbacks.shapes._target_=tests.tasks.LocalShapes",
         f"+callbacks.shapes.out={workdir}",
@@ -97,7 +97,8 @@ def test_tensor_parallel_splits_a_plain_sequential_automatically(one_process, wo
         "run.dir=run",
         cwd=workdir,
     )
-    assert "split automatically: net.0:colwise, net.2:rowwise" in err
+    assert "inferred from its structure" in err
+    assert "strategy.tp_plan=[net.0:colwise,net.2:rowwise]" in err, "printed to copy"
     assert close(losses(workdir / "run"), one_process)
     for rank in (0, 1):
         local = json.loads((workdir / f"shapes-rank{rank}.json").read_text())

@@ -58,66 +58,96 @@ def tensor_parallel(cfg: Any, dims: ParallelDims, job: Any) -> None:
     model = model_of(job)
     if cfg.tp_plan:
         plan_names(cfg.tp_plan, model)
-    declared, families = declared_plans(cfg, model, dims)
+    declared, families, authored = declared_plans(cfg, model, dims)
     if not cfg.tp_plan:
-        some_plan(model, dims.tp, declared, families)
+        some_plan(model, dims.tp, declared, families, authored, cfg.sequence_parallel)
     tensor_dims(job.task, dims.tp, cfg.sequence_parallel)
 
 
-def declared_plans(cfg: Any, model, dims: ParallelDims) -> tuple[dict[str, Any], list[str]]:
+def declared_plans(cfg: Any, model, dims: ParallelDims) -> tuple[dict[str, Any], list[str], bool]:
     """The plans the task's model families declare apply as the workers will apply them
     (framework/parallel/model.py): every style known (but where strategy.tp_plan replaces it,
     and inside the MoE blocks that ep > 1 splits instead), a sequence-parallel form for every
     module when sequence_parallel is on, shapes (e.g. heads) that split evenly. Returns them,
-    and the families the task holds besides the declared protocol."""
+    the families the task holds besides the declared protocol, and whether a family declares
+    its models' own plans (else the plans are standard layers', the rest inferred)."""
     from framework.parallel.model import adapter_for
 
     adapter = adapter_for(model)
     skip = [str(e).rpartition(":")[0] for e in cfg.tp_plan]
     experts = [b.path for b in adapter.expert_blocks(model, dims.ep)] if dims.ep > 1 else []
-    plan = adapter.tensor_plan(
-        model,
-        skip=skip,
-        sequence_parallel=cfg.sequence_parallel,
-        loss_parallel=cfg.loss_parallel,
-        experts=experts,
-    )
+    options = {
+        "skip": skip,
+        "sequence_parallel": cfg.sequence_parallel,
+        "loss_parallel": cfg.loss_parallel,
+        "experts": experts,
+    }
+    plan = adapter.tensor_plan(model, **options)
     adapter.check_tensor(model, dims.tp)
-    return plan, [a.name for a in adapter.adapters[1:]]
+    authored = bool(plan) and adapter.declares_plan(model, **options)
+    return plan, [a.name for a in adapter.adapters[1:]], authored
 
 
-def some_plan(model, tp: int, declared: dict[str, Any], families: list[str]) -> None:
-    """tp > 1 must split something: the model's own plans (logged when a model family's, e.g.
-    a transformers model's, as nobody wrote them in the task), or an automatic one (logged)."""
-    from framework.parallel.tensor import auto_plan
+def some_plan(
+    model,
+    tp: int,
+    declared: dict[str, Any],
+    families: list[str],
+    authored: bool,
+    sequence_parallel: bool = False,
+) -> None:
+    """tp > 1 must split something: the plans the model's families declare (logged when a
+    family's, e.g. a transformers model's, as nobody wrote them in the task), else a plan
+    inferred from its structure beside the known plans of torch's layers (logged as a
+    strategy.tp_plan override the user can copy, with why linears were left whole)."""
+    from framework.parallel.infer import describe, plan_for, whole_reasons
 
-    if declared:
+    name = type(model).__name__
+    if authored:
         if families:
             log.info(
                 "Tensor parallel: %s split by the plans of its %s models: %s",
-                type(model).__name__,
+                name,
                 " and ".join(families),
                 ", ".join(collapsed(declared)),
             )
         return
-    found = auto_plan(model, tp)
-    if not found:
-        name = type(model).__name__
+    inferred = plan_for(model, tp)
+    if not declared and not inferred.plan:
         raise ConfigError(
             "strategy.tp",
             tp,
-            f"{name} has no module with a tensor-parallel plan and no plain shape to split "
-            "automatically (nn.Sequential Linear pairs, nn.Embedding), so every weight would "
-            "stay whole on every rank",
+            f"{name} declares no tensor-parallel plan, and none could be inferred from its "
+            "structure (no linears feeding linears through an MLP or attention, no embedding "
+            "whose rows divide by it), so every weight would stay whole on every rank",
             hint="Build the model from framework.nn blocks, give a module a tp_plan() method, "
             "or list the splits in strategy.tp_plan (e.g. 'strategy.tp_plan=[net.0:colwise,"
-            "net.2:rowwise]'); see docs/model_parallel.md.",
+            "net.2:rowwise]'); see docs/model_parallel.md."
+            + "".join(f" {why}." for why in whole_reasons(inferred)),
         )
-    log.info(
-        "Tensor parallel: no plan in %s, split automatically: %s",
-        type(model).__name__,
-        ", ".join(f"{k}:{v}" for k, v in found.items()),
-    )
+    if sequence_parallel and inferred.plan:
+        raise ConfigError(
+            "strategy.sequence_parallel",
+            True,
+            f"{name} declares no tensor-parallel plan, and the plan inferred from its structure "
+            "has no sequence-parallel form",
+            ["false"],
+        )
+    if declared:
+        log.info(
+            "Tensor parallel: %s's torch layers split by their known plans: %s",
+            name,
+            ", ".join(collapsed(declared)),
+        )
+    if inferred.plan:
+        log.info(
+            "Tensor parallel: %s declares no plan; inferred from its structure (copy it to "
+            "keep or change it): %s",
+            name,
+            describe(inferred, model),
+        )
+    for why in whole_reasons(inferred):
+        log.info("Tensor parallel: left whole: %s", why)
 
 
 def collapsed(plan: dict[str, Any]) -> list[str]:
