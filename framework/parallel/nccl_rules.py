@@ -81,22 +81,27 @@ class NcclRecorder(TorchDispatchMode):
         self.step = 0
         self.side: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tensor -> where made
         self._inside = 0
+        self._depth = 0
         self._undo: list[tuple[Any, str, Any]] = []
 
     def __enter__(self):
-        self._function_mode = _Unplaced(self)
-        self._function_mode.__enter__()
-        self._patch()
+        self._depth += 1
+        if self._depth == 1:  # entered again inside a DTensor op: the dispatch mode only
+            self._function_mode = _Unplaced(self)
+            self._function_mode.__enter__()
+            self._patch()
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._depth -= 1
         try:
             return super().__exit__(*exc)
         finally:
-            for owner, name, value in reversed(self._undo):
-                setattr(owner, name, value)
-            self._undo = []
-            self._function_mode.__exit__(*exc)
+            if self._depth == 0:
+                for owner, name, value in reversed(self._undo):
+                    setattr(owner, name, value)
+                self._undo = []
+                self._function_mode.__exit__(*exc)
 
     def _patch(self) -> None:
         """Function modes do not follow autograd into a custom Function's backward: re-entered
