@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUIET, fw, losses
+from tests.conftest import QUIET, REPO, fw, fw_env, losses
 
 REFERENCE = [
     *QUIET,
@@ -80,3 +83,15 @@ def prepared_corpus(tmp_path_factory) -> Path:
             assert result.returncode == 0, result.stderr[-3000:]
             (root / ".done").touch()
     return root / "data"
+
+
+def torchrun_script(name: str, out: Path) -> list[dict]:
+    """Run tests/distributed/scripts/`name` as torch's launcher runs a user's script (2 processes,
+    `out` its argument); returns what each rank wrote to out/rank<R>.json."""
+    script = REPO / "tests" / "distributed" / "scripts" / name
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run(
+        [*launch, str(script), str(out)], env=fw_env(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]

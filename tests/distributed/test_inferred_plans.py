@@ -9,13 +9,12 @@ checkpoint exports to one process's weights, by name, whole."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import QUIET, REPO, fw, fw_env, losses
+from tests.conftest import QUIET, fw, losses
+from tests.distributed.conftest import torchrun_script
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -73,18 +72,8 @@ def demo(tmp_path_factory):
 
 
 def test_multihead_attention_split_by_heads_equals_the_whole_module(tmp_path):
-    script = REPO / "tests" / "distributed" / "scripts" / "multihead_check.py"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = subprocess.run(
-        [*launch, str(script), str(tmp_path)],
-        env=fw_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        for case, found in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+    for ranks in torchrun_script("multihead_check.py", tmp_path):
+        for case, found in ranks.items():
             assert found.pop("same_names") == 1.0, case
             assert max(found.values()) <= 1e-12, (case, found)
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import FW, QUIET, REPO, assert_resumed, fw, fw_env, losses, read_metrics
+from tests.conftest import FW, QUIET, assert_resumed, fw, fw_env, losses, read_metrics
+from tests.distributed.conftest import torchrun_script
 
 pytestmark = pytest.mark.slow
 COMMON = [
@@ -72,18 +72,7 @@ def one_process_bias(one_process):
 
 
 def test_an_expert_parallel_layer_equals_the_whole_layer(tmp_path):
-    script = REPO / "tests" / "distributed" / "scripts" / "moe_layer_check.py"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = subprocess.run(
-        [*launch, str(script), str(tmp_path)],
-        env=fw_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, found in enumerate(torchrun_script("moe_layer_check.py", tmp_path)):
         for dtype, bound in (("float64", 1e-12), ("float32", 1e-6)):
             diffs = {
                 k: v for k, v in found[dtype].items() if k not in ("rows_sent", "gate_grad_scale")
