@@ -7,17 +7,13 @@ value and write any. So, for every job of launcher=local (and launcher=slurm's e
   machines on the address of `launcher.rdzv_endpoint` (the rendezvous store) and of the first
   node (the workers' store), not on every interface (`bound_store`).
 - What is trusted from them: every value the nodes, their agents and their workers exchange is
-  signed with the job's token (HMAC-SHA256, a key derived from the token for each use) and
-  checked before it is used; one that is not is refused before anything reads it (exit code 2).
-  torch elastic keeps its rendezvous state as a pickle, which torch unpickles on every node:
-  here it is kept as signed JSON (`SignedBackend`) and made into torch's object only once its
-  signature holds, so nothing read from a store is ever unpickled. The agents' keys
-  (MASTER_ADDR/PORT) and the workers' process-group keys (the addresses gloo and NCCL connect
-  to) go through `SignedStore`. Every node has `trainer.devices` workers, so the agents compute
-  the ranks themselves (TORCH_ELASTIC_WORKER_IDENTICAL=1) instead of reading torch's unsigned
-  rank tables.
+  signed with the job's token and checked before it is used (framework/launch/signed.py); one
+  that is not is refused before anything reads it (exit code 2). torch elastic's rendezvous
+  state, a pickle in torch's own backend, is signed JSON here: nothing read from a store is
+  ever unpickled. Every node has `trainer.devices` workers, so the agents compute the ranks
+  themselves (TORCH_ELASTIC_WORKER_IDENTICAL=1) instead of reading torch's unsigned rank tables.
 - What is readable: key names are public (a store lists them). The configs the nodes compare
-  are exchanged as MACs (`config_macs`), never as text.
+  are exchanged as MACs, never as text.
 - The token: `launcher.rdzv_token` or FW_RDZV_TOKEN over several machines; a new random one for
   each start of a job on one machine (other users of the machine reach loopback too).
 
@@ -34,21 +30,25 @@ import hashlib
 import hmac
 import json
 import os
-import pickle
 import socket
-from datetime import datetime, timedelta
-from typing import Any
+import time
+from datetime import timedelta
 
 from framework.errors import ConfigError
+from framework.launch.signed import (
+    config_macs,
+    derive,
+    keep,
+    macs_difference,
+    signed_backend,
+    signed_store,
+)
 
 BACKEND = "fw-bound"  # torch's dynamic rendezvous: signed state, stores bound to one address
 DIRECT = "fw-direct"  # one machine, one agent: the store this process holds, no meeting
 TOKEN_ENV = "FW_RDZV_TOKEN"
-STORE_KEY_ENV = "FW_STORE_KEY"  # the workers' key for their process group's store (derived)
 IDENTICAL_ENV = "TORCH_ELASTIC_WORKER_IDENTICAL"  # torch's agent: ranks computed, not exchanged
 LOOPBACK = "127.0.0.1"
-REFUSED = "not signed with this job's token"  # in every refusal (the launcher looks for it)
-MAGIC, EMPTY = b"fw1.", b"fw-rdzv-empty"
 _tokens: dict[str, str] = {}  # run id -> token, for the handlers torch creates in this process
 
 
@@ -62,45 +62,50 @@ def keyed(token: str, name: str) -> str:
     return hmac.new(token.encode(), name.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def derive(token: str, purpose: str) -> bytes:
-    """The key of one use of the token (one per purpose: a MAC made for one never passes as
-    another's)."""
-    return hmac.new(token.encode(), f"fw-rdzv/{purpose}".encode(), hashlib.sha256).digest()
-
-
-def refusal(what: str, where: str = "") -> Exception:
-    """The error for a value read from a store that is not signed with the job's token
-    (torch's RendezvousStateError, which its agents report and its heartbeat tolerates)."""
-    from torch.distributed.elastic.rendezvous import RendezvousStateError
-
-    at = f" at {where}" if where else ""
-    return RendezvousStateError(
-        f"{what} in the rendezvous store{at} is {REFUSED}: someone who reached the store's "
-        "port without the token wrote it; it was refused before anything used it"
-    )
-
-
-def _tell_refused(store, run_id: str, token: str, reason: str) -> None:
+def tell_refused(store, run_id: str, token: str, reason: str) -> None:
     """Leave the reason of a refusal in the rendezvous store, signed, for the other nodes: the
-    refusing node's agent closes the rendezvous, and they would otherwise only see it closed."""
+    refusing node's agent closes the rendezvous (or its fw process, which may keep the store,
+    ends), and they would otherwise only see it closed or gone."""
     with contextlib.suppress(Exception):  # best effort: the store may be gone
         signed = signed_store(store, "fw-refused", derive(token, "refused"))
         signed.set(f"fw-refused/{run_id}", reason)
 
 
-def refused_elsewhere(endpoint: str, run_id: str, token: str) -> str | None:
-    """Why another node of the job refused its rendezvous store (None: none did, or the store
-    is gone)."""
+def _client(endpoint: str, timeout_s: float):
     from torch.distributed import TCPStore
 
     host, _, port = endpoint.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def refused_elsewhere(endpoint: str, run_id: str, token: str) -> str | None:
+    """Why another node of the job refused the rendezvous store (None: none did, or the store
+    is gone). Counts this node as told, so that the node keeping the store may end."""
+    key = f"fw-refused/{run_id}"
     with contextlib.suppress(Exception):
-        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
-        key = f"fw-refused/{run_id}"
+        store = _client(endpoint, 2)
         if store.check([key]):
-            signed = signed_store(store, "fw-refused", derive(token, "refused"))
-            return signed.get(key).decode()
+            reason = signed_store(store, "fw-refused", derive(token, "refused")).get(key)
+            store.add(f"{key}/told", 1)
+            return reason.decode()
     return None
+
+
+def after_refusal(endpoint: str, run_id: str, token: str, reason: str, nodes: int) -> None:
+    """On a node that refused (or learned of a refusal from its agent): leave the reason for the
+    others and, when this fw process keeps the rendezvous store, keep it until every node knows
+    (at most 10 s)."""
+    key = f"fw-refused/{run_id}"
+    with contextlib.suppress(Exception):
+        store = _client(endpoint, 2)
+        if not store.check([key]):
+            tell_refused(store, run_id, token, reason)
+        store.add(f"{key}/told", 1)
+        deadline = time.monotonic() + 10
+        while endpoint in _hosted and store.add(f"{key}/told", 0) < nodes:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
 
 
 def use_token(run_id: str, token: str) -> None:
@@ -114,299 +119,6 @@ def _token_of(run_id: str) -> str:
     if not token:  # never a rendezvous without signatures
         raise RuntimeError(f"no token for the rendezvous {run_id!r} (rendezvous.use_token)")
     return token
-
-
-# --- torch elastic's rendezvous state as signed JSON
-
-
-def _node(node) -> list:
-    return [node.addr, node.pid, node.local_id]
-
-
-def _time(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
-
-
-def encode_state(state) -> dict:
-    """torch's _RendezvousState as plain JSON values."""
-    return {
-        "round": state.round,
-        "complete": state.complete,
-        "closed": state.closed,
-        "deadline": _time(state.deadline),
-        "participants": [[_node(n), r] for n, r in sorted(state.participants.items())],
-        "wait_list": [_node(n) for n in sorted(state.wait_list)],
-        "redundancy_list": [_node(n) for n in sorted(state.redundancy_list)],
-        "last_heartbeats": [[_node(n), _time(t)] for n, t in sorted(state.last_heartbeats.items())],
-    }
-
-
-def decode_state(doc: dict):
-    """A _RendezvousState from `encode_state`'s JSON, every field's type checked (ValueError)."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        _NodeDesc,
-        _RendezvousState,
-    )
-
-    def node(value) -> _NodeDesc:
-        addr, pid, local_id = value
-        if not isinstance(addr, str) or type(pid) is not int or type(local_id) is not int:
-            raise ValueError(f"not a node: {value!r}")
-        return _NodeDesc(addr, pid, local_id)
-
-    def when(value) -> datetime:
-        moment = datetime.fromisoformat(value)
-        if moment.tzinfo is None:
-            raise ValueError(f"not an aware time: {value!r}")
-        return moment
-
-    def whole(value) -> int:
-        if type(value) is not int:
-            raise ValueError(f"not an integer: {value!r}")
-        return value
-
-    def flag(value) -> bool:
-        if type(value) is not bool:
-            raise ValueError(f"not a boolean: {value!r}")
-        return value
-
-    state = _RendezvousState()
-    state.round = whole(doc["round"])
-    state.complete, state.closed = flag(doc["complete"]), flag(doc["closed"])
-    state.deadline = None if doc["deadline"] is None else when(doc["deadline"])
-    state.participants = {node(n): whole(r) for n, r in doc["participants"]}
-    state.wait_list = {node(n) for n in doc["wait_list"]}
-    state.redundancy_list = {node(n) for n in doc["redundancy_list"]}
-    state.last_heartbeats = {node(n): when(t) for n, t in doc["last_heartbeats"]}
-    return state
-
-
-def signed_backend(store, run_id: str, token: str, where: str = "", tell=None):
-    """A torch RendezvousBackend that keeps the rendezvous state in `store` as signed JSON
-    (`fw1.` + HMAC + JSON with a sequence number): a value that is not signed with the token,
-    or an older one played back, is refused before it is parsed; the bytes handed to torch's
-    state holder are pickled here from the checked state, never read from the store. `tell`:
-    called with the refusal's message before it is raised."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
-
-    def refuse(what: str) -> Exception:
-        err = refusal(what, where)
-        if tell is not None:
-            tell(str(err))
-        return err
-
-    class SignedBackend(RendezvousBackend):
-        """See signed_backend."""
-
-        def __init__(self) -> None:
-            self._key = f"fw.rendezvous.{run_id}"
-            self._mac_key, self._seen = derive(token, "rendezvous-state"), -1
-            store.compare_set(self._key, "", EMPTY)  # created: compare_set needs a key
-
-        @property
-        def name(self) -> str:
-            return BACKEND
-
-        def _mac(self, body: bytes) -> bytes:
-            message = self._key.encode() + b"\0" + body
-            return hmac.new(self._mac_key, message, hashlib.sha256).hexdigest().encode()
-
-        def seal(self, state, seq: int) -> bytes:
-            body = json.dumps({"seq": seq, "state": encode_state(state)}, sort_keys=True).encode()
-            return MAGIC + self._mac(body) + b"." + body
-
-        def open(self, blob: bytes):
-            """(state, seq), or None for no state; refused unless signed and not older."""
-            blob = bytes(blob)
-            if blob == EMPTY:
-                return None
-            mac, dot, body = blob[len(MAGIC) :].partition(b".")
-            if (
-                not blob.startswith(MAGIC)
-                or not dot
-                or not hmac.compare_digest(mac, self._mac(body))
-            ):
-                raise refuse("the rendezvous state")
-            try:
-                doc = json.loads(body)
-                seq, state = doc["seq"], decode_state(doc["state"])
-            except (ValueError, KeyError, TypeError) as err:  # signed, so ours: a bug
-                raise refuse(f"the rendezvous state (unreadable: {err})") from None
-            if type(seq) is not int or seq < self._seen:
-                raise refuse("an older rendezvous state played back")
-            self._seen = seq
-            return state, seq
-
-        def get_state(self):
-            blob = store.get(self._key)
-            opened = self.open(blob)
-            return None if opened is None else (pickle.dumps(opened[0]), bytes(blob))
-
-        def set_state(self, state: bytes, token=None):
-            mine = pickle.loads(state)  # this process's own state holder pickled it
-            expected = token if isinstance(token, bytes) else EMPTY
-            seq = 0
-            if expected != EMPTY:  # a token is a blob this backend returned (checked then)
-                seq = json.loads(expected.partition(b".")[2].partition(b".")[2])["seq"] + 1
-            new = self.seal(mine, seq)
-            current = bytes(store.compare_set(self._key, expected, new))
-            if current == new:
-                self._seen = seq
-                return state, new, True
-            opened = self.open(current)
-            return None if opened is None else (pickle.dumps(opened[0]), current, False)
-
-    return SignedBackend()
-
-
-# --- a store whose values carry a MAC
-
-
-def signed_store(inner, context: str, key: bytes, where: str = "", tell=None):
-    """`inner` (a torch Store) with every value signed: set writes HMAC(key, context/name,
-    value) + value, get refuses a value without it (a forged MASTER_ADDR, a gloo address).
-    Counters (add) and waits pass through: a stranger can only stall them. `tell`: called with
-    a refusal's message before it is raised."""
-    import torch.distributed as dist
-
-    class SignedStore(dist.Store):
-        """See signed_store."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def _mac(self, name: str, value: bytes) -> bytes:
-            message = f"{context}/{name}".encode() + b"\0" + value
-            return hmac.new(key, message, hashlib.sha256).digest()
-
-        def _seal(self, name: str, value) -> bytes:
-            value = value.encode() if isinstance(value, str) else bytes(value)
-            return self._mac(name, value) + value
-
-        def _open(self, name: str, blob) -> bytes:
-            blob = bytes(blob)
-            mac, value = blob[:32], blob[32:]
-            if len(blob) < 32 or not hmac.compare_digest(mac, self._mac(name, value)):
-                err = refusal(f"store key {name!r}", where)
-                if tell is not None:
-                    tell(str(err))
-                raise err
-            return value
-
-        def set(self, name, value):
-            inner.set(name, self._seal(name, value))
-
-        def get(self, name):
-            return self._open(name, inner.get(name))
-
-        def compare_set(self, name, expected, desired):
-            expected = self._seal(name, expected) if expected not in ("", b"") else expected
-            current = bytes(inner.compare_set(name, expected, self._seal(name, desired)))
-            return self._open(name, current) if current else current
-
-        def multi_set(self, names, values):
-            inner.multi_set(names, [self._seal(n, v) for n, v in zip(names, values, strict=True)])
-
-        def multi_get(self, names):
-            return [self._open(n, b) for n, b in zip(names, inner.multi_get(names), strict=True)]
-
-        def add(self, name, amount):
-            return inner.add(name, amount)
-
-        def wait(self, names, *timeout):
-            return inner.wait(names, *timeout)
-
-        def check(self, names):
-            return inner.check(names)
-
-        def delete_key(self, name):
-            return inner.delete_key(name)
-
-        def num_keys(self):
-            return inner.num_keys()
-
-        def set_timeout(self, timeout):
-            return inner.set_timeout(timeout)
-
-        @property
-        def timeout(self):
-            return inner.timeout
-
-    return SignedStore()
-
-
-def store_key(token: str) -> str:
-    """What a job's workers sign their process group's store with (hex, in STORE_KEY_ENV): a
-    key derived from the token, not the token."""
-    return derive(token, "worker-store").hex()
-
-
-_signed_stores: list = []  # a Python store must outlive every C++ user of it
-
-
-def sign_worker_store() -> None:
-    """In a worker of launcher=local: the process group's store (torch's env:// rendezvous, on
-    the agents' store) signed with the job's key, so a stranger cannot point gloo or NCCL at
-    an address of theirs. No-op outside launcher=local's workers (no STORE_KEY_ENV)."""
-    key = os.environ.get(STORE_KEY_ENV)
-    if not key:
-        return
-    import importlib
-
-    # the module (torch.distributed's `rendezvous` is also a function of that name)
-    torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
-    handlers = torch_rendezvous._rendezvous_handlers  # torch's registry has no replace
-    plain = handlers["env"]
-    if getattr(plain, "fw_signed", False):
-        return
-    context = f"workers/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
-    where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-
-    def signed(url: str, **kwargs):
-        for store, rank, world_size in plain(url, **kwargs):
-            wrapped = signed_store(store, context, bytes.fromhex(key), where)
-            _signed_stores.append(wrapped)
-            yield wrapped, rank, world_size
-
-    signed.fw_signed = True  # type: ignore[attr-defined]
-    handlers["env"] = signed
-
-
-# --- the configs the nodes compare, as MACs
-
-
-def config_macs(token: str, prefix: str, config: dict) -> dict[str, str]:
-    """{MAC of a key's path: MAC of the path and its value} for every leaf of a config: two
-    nodes holding the token can tell which key differs; whoever reads the store learns nothing
-    (not even the key names)."""
-    from framework.context import flatten
-
-    key = derive(token, f"config/{prefix}")
-
-    def mac(*parts: str) -> str:
-        return hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).hexdigest()
-
-    return {
-        mac("path", path): mac("value", path, json.dumps(value, sort_keys=True, default=str))
-        for path, value in flatten(config).items()
-    }
-
-
-def macs_difference(token: str, prefix: str, mine: dict, theirs: dict) -> tuple[str, Any] | None:
-    """The first key (of this node's config `mine`) whose value another node's MACs do not
-    match, with this node's value; ('config', None) for a key only the other node has."""
-    from framework.context import flatten
-
-    own = config_macs(token, prefix, mine)
-    for (path, value), (path_mac, value_mac) in zip(
-        flatten(mine).items(), own.items(), strict=True
-    ):
-        if theirs.get(path_mac) != value_mac:
-            return path, value
-    if set(theirs) - set(own):
-        return "config", None
-    return None
 
 
 # --- torch elastic's rendezvous handlers
@@ -514,6 +226,7 @@ def _create_handler(params):
     held by this process or another fw process (`host_store`, `bound_store`): this one is its
     client."""
     from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousStateError
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
         RendezvousTimeout,
@@ -523,7 +236,7 @@ def _create_handler(params):
     host, _, port = params.endpoint.rpartition(":")
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
     store = TCPStore(host, int(port), is_master=False, timeout=read_timeout)
-    tell = functools.partial(_tell_refused, store, params.run_id, token)
+    tell = functools.partial(tell_refused, store, params.run_id, token)
     backend = signed_backend(store, params.run_id, token, params.endpoint, tell)
     agent_key = derive(token, "agent-store")
 
@@ -536,12 +249,23 @@ def _create_handler(params):
         def _create_tcp_store_server(self, master_addr, master_port):
             return bound_store(address_of(master_addr), master_port, read_timeout)
 
+        def num_nodes_waiting(self) -> int:
+            """torch's count, asked by the agent while its workers run: first, whether another
+            node refused a value of the store (its agent then left; this one would wait)."""
+            marker = f"fw-refused/{params.run_id}"
+            if store.check([marker]):
+                refused = signed_store(
+                    store, "fw-refused", derive(token, "refused"), params.endpoint
+                )
+                raise RendezvousStateError(
+                    f"another node of the job stopped: {refused.get(marker).decode()}"
+                )
+            return super().num_nodes_waiting()
+
         def _wrap_store(self, inner):
             prefix = f"torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}"
             prefixed = PrefixStore(prefix, inner)
-            signed = signed_store(prefixed, prefix, agent_key, params.endpoint, tell)
-            _signed_stores.append(signed)  # C++ holds it; Python must too
-            return signed
+            return keep(signed_store(prefixed, prefix, agent_key, params.endpoint, tell))
 
     join = timedelta(seconds=params.get_as_int("join_timeout", 600))
     # an elastic job's nodes wait this long for more of them once min_nodes have arrived
@@ -564,6 +288,7 @@ class JoinTimeout(RuntimeError):
 
 
 _stores: list = []  # the stores of this fw process's jobs, alive until it ends
+_hosted: set[str] = set()  # the endpoints whose store this process keeps
 
 
 def host_store(host: str, port: int, timeout: timedelta):
@@ -572,6 +297,7 @@ def host_store(host: str, port: int, timeout: timedelta):
     with contextlib.suppress(RuntimeError, ValueError, OSError):
         store = bound_store(address_of(host), port, timeout)
         _stores.append(store)
+        _hosted.add(f"{host}:{port}")
         return store
     return None
 

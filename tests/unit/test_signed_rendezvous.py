@@ -1,5 +1,5 @@
 """What the nodes, agents and workers of a job read from a store is signed with the job's token
-(framework/launch/rendezvous.py): torch elastic's rendezvous state (a pickle in torch's own
+(framework/launch/signed.py): torch elastic's rendezvous state (a pickle in torch's own
 backend, unpickled on every node) is signed JSON here, refused before it is parsed when it is
 not signed, and never unpickled from the store; MASTER_ADDR and the workers' process-group keys
 are refused without their MAC; the nodes compare their configs as MACs a stranger cannot read.
@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from framework.errors import ConfigError
-from framework.launch import rendezvous
+from framework.launch import rendezvous, signed
 
 TOKEN = "job-token-5b1e"
 
@@ -51,15 +51,15 @@ def a_state() -> _RendezvousState:
 
 def test_the_rendezvous_state_is_refused_unless_signed_and_never_unpickled(tmp_path):
     store = server()
-    writer = rendezvous.signed_backend(store, "job", TOKEN)
-    reader = rendezvous.signed_backend(store, "job", TOKEN)
+    writer = signed.signed_backend(store, "job", TOKEN)
+    reader = signed.signed_backend(store, "job", TOKEN)
     state = a_state()
     first = writer.set_state(pickle.dumps(state))
     assert first[2], "set"
     second = writer.set_state(pickle.dumps(state), first[1])
     assert second[2], "set over the first, by its token"
     got = pickle.loads(reader.get_state()[0])  # pickled by the reader from checked JSON
-    assert rendezvous.encode_state(got) == rendezvous.encode_state(state)
+    assert signed.encode_state(got) == signed.encode_state(state)
     assert json.loads(bytes(store.get("fw.rendezvous.job")).split(b".", 2)[2])["seq"] == 1
 
     ran = tmp_path / "ran"
@@ -68,10 +68,8 @@ def test_the_rendezvous_state_is_refused_unless_signed_and_never_unpickled(tmp_p
         "torch's base64 pickle": base64.b64encode(evil),
         "a raw pickle": evil,
         "a bad MAC": b"fw1." + b"0" * 64 + b"." + evil,
-        "signed for another run": rendezvous.signed_backend(store, "job2", TOKEN).seal(
-            a_state(), 9
-        ),
-        "signed with another token": rendezvous.signed_backend(store, "job3", "guess").seal(
+        "signed for another run": signed.signed_backend(store, "job2", TOKEN).seal(a_state(), 9),
+        "signed with another token": signed.signed_backend(store, "job3", "guess").seal(
             a_state(), 9
         ),
         "an older state played back": first[1],
@@ -86,14 +84,14 @@ def test_the_rendezvous_state_is_refused_unless_signed_and_never_unpickled(tmp_p
 def test_a_forged_master_addr_is_refused():
     store = server()
     prefix = "torch.rendezvous.job.0"
-    key = rendezvous.derive(TOKEN, "agent-store")
-    agents = rendezvous.signed_store(dist.PrefixStore(prefix, store), prefix, key)
+    key = signed.derive(TOKEN, "agent-store")
+    agents = signed.signed_store(dist.PrefixStore(prefix, store), prefix, key)
     agents.set("MASTER_ADDR", "10.0.0.1")
     assert agents.get("MASTER_ADDR") == b"10.0.0.1"
     store.set(f"{prefix}/MASTER_ADDR", "6.6.6.6")  # a stranger, without the token
     with pytest.raises(RendezvousStateError, match="'MASTER_ADDR'.*not signed with this job"):
         agents.get("MASTER_ADDR")
-    copied = rendezvous.signed_store(dist.PrefixStore("other", store), "other", key)
+    copied = signed.signed_store(dist.PrefixStore("other", store), "other", key)
     copied.set("MASTER_ADDR", "10.0.0.2")
     store.set(f"{prefix}/MASTER_ADDR", bytes(store.get("other/MASTER_ADDR")))
     with pytest.raises(RendezvousStateError):  # a signed value moved to another key
@@ -107,7 +105,7 @@ def test_the_workers_process_group_store_is_signed(monkeypatch):
     handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
     monkeypatch.setitem(handlers, "env", handlers["env"])  # put back after the test
     for name, value in {
-        rendezvous.STORE_KEY_ENV: rendezvous.store_key(TOKEN),
+        signed.STORE_KEY_ENV: signed.store_key(TOKEN),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
         "RANK": "0",
@@ -116,26 +114,26 @@ def test_the_workers_process_group_store_is_signed(monkeypatch):
         "TORCHELASTIC_RUN_ID": "job",
     }.items():
         monkeypatch.setenv(name, value)
-    rendezvous.sign_worker_store()
-    signed, rank, world_size = next(dist.rendezvous("env://"))
+    signed.sign_worker_store()
+    workers, rank, world_size = next(dist.rendezvous("env://"))
     assert (rank, world_size) == (0, 1)
-    signed.set("default_pg/0//cpu//0/0", b"address-of-rank-0")
+    workers.set("default_pg/0//cpu//0/0", b"address-of-rank-0")
     assert bytes(store.get("default_pg/0//cpu//0/0")) != b"address-of-rank-0", "signed"
-    assert signed.get("default_pg/0//cpu//0/0") == b"address-of-rank-0"
+    assert workers.get("default_pg/0//cpu//0/0") == b"address-of-rank-0"
     store.set("default_pg/0//cpu//0/1", b"the-strangers-address")
     with pytest.raises(RendezvousStateError, match="not signed with this job's token"):
-        signed.get("default_pg/0//cpu//0/1")
+        workers.get("default_pg/0//cpu//0/1")
 
 
 def test_the_nodes_compare_configs_as_macs():
     mine = {"task": {"lr": 0.1, "layers": [1, 2]}, "run": {"dir": "/shared/run"}}
-    macs = rendezvous.config_macs(TOKEN, "fw-join/fw/1", mine)
+    macs = signed.config_macs(TOKEN, "fw-join/fw/1", mine)
     text = json.dumps(macs)
     assert "lr" not in text and "0.1" not in text and "/shared/run" not in text
     rendezvous.check_same(TOKEN, "fw-join/fw/1", mine, macs)
-    theirs = rendezvous.config_macs(TOKEN, "fw-join/fw/1", {**mine, "task": {"lr": 0.2}})
+    theirs = signed.config_macs(TOKEN, "fw-join/fw/1", {**mine, "task": {"lr": 0.2}})
     with pytest.raises(ConfigError, match=r"task.lr=0.1: the nodes of one job composed"):
         rendezvous.check_same(TOKEN, "fw-join/fw/1", mine, theirs)
-    guessed = rendezvous.config_macs("a-guess", "fw-join/fw/1", mine)
+    guessed = signed.config_macs("a-guess", "fw-join/fw/1", mine)
     with pytest.raises(ConfigError):
         rendezvous.check_same(TOKEN, "fw-join/fw/1", mine, guessed)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from framework.checkpoint import disk
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, EXIT_TERMINATED, ConfigError
-from framework.launch import rendezvous
+from framework.launch import rendezvous, signed
 from framework.launch.outcomes import WorkersPreempted, describe_failures, preempted_message
 from framework.launch.preload import Preload
 from framework.launch.restarts import WorkerFailure, after, record_restart, with_restarts
@@ -258,7 +258,7 @@ def run_elastic(
         try:
             fewest = generations.expected(generation) or fewest
         except Exception as err:
-            if rendezvous.REFUSED in str(err):
+            if signed.REFUSED in str(err):
                 raise forged(cfg.rdzv_endpoint, str(err)) from None
             raise
         generations.count("members", generation, add=1)
@@ -348,9 +348,23 @@ def start_workers(
         token = secrets.token_hex(16)
     rendezvous.register_backend()
     rendezvous.use_token(run_id, token)
+
+    several = world.num_nodes if store is None else 0  # nodes that meet at the endpoint
+
+    def refused(failure: str) -> None:
+        """ConfigError when this node refused a store value (a worker, its process group's; the
+        agent, the rendezvous store's) or another node of the job did."""
+        if signed.REFUSED in failure:
+            if several:
+                rendezvous.after_refusal(endpoint, run_id, token, failure, several)
+            raise forged(endpoint, failure) from None
+        elsewhere = rendezvous.refused_elsewhere(endpoint, run_id, token) if several else None
+        if elsewhere is not None:
+            raise forged(endpoint, f"another node of the job stopped: {elsewhere}") from None
+
     # the workers sign their process group's store with a key derived from it (forked workers
     # inherit this environment, spawned ones get it from the agent)
-    os.environ[rendezvous.STORE_KEY_ENV] = rendezvous.store_key(token)
+    os.environ[signed.STORE_KEY_ENV] = signed.store_key(token)
     # every node has trainer.devices workers: the agents compute the ranks, not read them
     os.environ[rendezvous.IDENTICAL_ENV] = "1"
     log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
@@ -405,16 +419,10 @@ def start_workers(
         if watchdog is not None and watchdog.fired:
             return watchdog.fired
         failure = describe_failures(err, log_dir, exits.ended)
-        if rendezvous.REFUSED in failure:  # a worker refused its process group's store
-            raise forged(endpoint, failure) from None
+        refused(failure)
         return failure
     except Exception as err:
-        if rendezvous.REFUSED in str(err):  # the agent refused the rendezvous store
-            raise forged(endpoint, str(err)) from None
-        # another node's agent refused and closed the rendezvous: say why, not just "closed"
-        elsewhere = rendezvous.refused_elsewhere(endpoint, run_id, token) if store is None else None
-        if elsewhere is not None:
-            raise forged(endpoint, f"another node of the job stopped: {elsewhere}") from None
+        refused(str(err))
         raise
     finally:
         if watch is not None:
