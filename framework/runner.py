@@ -63,10 +63,13 @@ def make_jobs(
     trust: bool = False,
 ) -> list[Job]:
     """Compose, resolve and validate every job of the command before any of them starts
-    (`trust`: resume from a checkpoint that framework.checkpoint.safe refuses)."""
+    (`trust`, `fw train --trust`: `run.trust_checkpoint=true`, resume from a checkpoint whose
+    pickles name more than data, framework/checkpoint/safe.py)."""
     enclosing = external.job_id()  # torchrun's or SLURM's
     if multirun and enclosing:
         raise ConfigError("-m", "multirun", "a sweep cannot run inside a torchrun/SLURM job")
+    if trust:
+        overrides = [*overrides, "run.trust_checkpoint=true"]
     sweep = expand_sweeps(overrides) if multirun else [list(overrides)]
     base = Path(enclosing and f"runs/{enclosing}" or time.strftime("runs/%Y-%m-%d_%H-%M-%S"))
     jobs: list[Job] = []
@@ -94,7 +97,7 @@ def make_jobs(
             job.plan.checkpoint_format,
             job.world.world_size,
             functools.partial(plugin.check_move, strategy),
-            trust=trust,
+            trust=job.cfg.run.trust_checkpoint,
         )
     dirs = [j.run_dir for j in jobs]
     if len(set(dirs)) != len(dirs):

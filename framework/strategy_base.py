@@ -5,9 +5,11 @@ A plugin's `build(cfg, world, inputs)` (see `framework.plugins.StrategyPlugin`) 
 front of the Lightning class gives that strategy what the worker and the callbacks rely on:
 
 - `inputs` kept on the strategy (its `__init__` takes `inputs=` before Lightning's arguments);
-- resuming from a checkpoint written in another layout or process count (`inputs.move_from`):
-  the checkpoint is read as one full state (`framework.checkpoint.portable`) and handed to the strategy's
-  own `load_portable(state)`, which copies it into its sharding;
+- resuming from a checkpoint of any layout and process count: the checkpoint is opened by the
+  framework's type-restricted reader of its format (framework/checkpoint/formats), and the
+  strategy's own `restore(source)` reads the parts of it this rank holds into its model and
+  optimizers (framework/checkpoint/load.py; ZeRO partitions in the DeepSpeed strategy): no rank
+  reads or holds the whole state, and no checkpoint file is ever unpickled without restriction;
 - the once-per-optimizer-step work after the last backward of a step (`before_optimizer_step`:
   mixture-of-experts load balancing, and each strategy's own gradient work);
 - data loaders in one global order (framework.data.order): every loader Lightning prepares gets
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from framework.checkpoint import portable
+    from framework.checkpoint.portable import Source
     from framework.parallel.transforms import ModelTransforms
 
 
@@ -42,8 +44,8 @@ class StrategyInputs:
 
     transforms: ModelTransforms  # activation checkpointing / compile for the task's blocks
     data_parallel: tuple[int, int] = (0, 1)  # (rank, size) among ranks reading different data
-    move_from: Path | None = None  # resume checkpoint written by another layout or world size
     data_order: str = "global"  # task.data_order: global (framework.data.order) or keep
+    trust_checkpoint: bool = False  # run.trust_checkpoint: its pickles may name more than data
 
 
 class StrategyBase:
@@ -56,17 +58,28 @@ class StrategyBase:
         super().__init__(*args, **kwargs)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
-        if self.inputs.move_from is None:
-            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
-        from framework.checkpoint import portable
+        """Lightning's checkpoint without its model and optimizer states (loops, callbacks,
+        schedulers), after `restore` has read this rank's part of those from the checkpoint
+        directory holding `checkpoint_path`, whatever layout wrote it."""
+        from framework.checkpoint import formats
 
-        state = portable.read(self.inputs.move_from)
-        self.load_portable(state)
-        return state.rest
+        self.checkpoint_dir = Path(checkpoint_path).parent  # a strategy's own files beside it
+        source = formats.open_checkpoint(self.checkpoint_dir, self.inputs.trust_checkpoint)
+        try:
+            rest = source.rest()
+            self.restore(source)
+        except BaseException:
+            source.close()
+            raise
+        # Lightning asks for these keys before it restores optimizers and schedulers
+        rest.setdefault("optimizer_states", [])
+        rest.setdefault("lr_schedulers", [])
+        return rest
 
-    def load_portable(self, state: portable.Portable) -> None:
-        """Copy a full, name-keyed state into this strategy's model and optimizers."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take in another layout")
+    def restore(self, source: Source) -> None:
+        """Read this rank's part of the model (and of the optimizers, once they exist) from
+        `source`, and close it when done (framework/checkpoint/load.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read a checkpoint")
 
     def save_async(self, trainer: Any, filepath: Path) -> Future | None:
         """Write the checkpoint of `trainer` at `filepath` in the background: returns once the
@@ -135,28 +148,49 @@ class StrategyBase:
 
 
 class Replicated(StrategyBase):
-    """Every process holds the whole model and optimizer (ddp, diloco): transforms applied before
-    Lightning moves and wraps the task; a checkpoint from another layout taken in, the model
-    state before setup (as Lightning loads a ddp checkpoint), the optimizer state, keyed by
-    parameter name, once the optimizer exists."""
+    """Every process holds the whole model and optimizer (ddp, diloco, hogwild): transforms
+    applied before Lightning moves and wraps the task; a checkpoint read into the model before
+    setup (as Lightning restores a ddp checkpoint), into the optimizers, by parameter name, once
+    they exist."""
 
     def setup(self, trainer: Any) -> None:
-        self.inputs.transforms.apply(self.lightning_module)  # type: ignore[attr-defined]
+        task = self.lightning_module  # type: ignore[attr-defined]
+        load_pretrained_whole(task, trainer.default_root_dir, self.global_rank)  # type: ignore[attr-defined]
+        self.inputs.transforms.apply(task)
         super().setup(trainer)  # type: ignore[misc]
 
-    def load_portable(self, state: portable.Portable) -> None:
-        state.rest["state_dict"] = state.model
-        # keyed by name until the optimizer exists
-        state.rest["optimizer_states"] = state.optimizers
+    def restore(self, source: Source) -> None:
+        from framework.checkpoint.load import load_model
+
+        load_model(self.lightning_module, source)  # type: ignore[attr-defined]
+        self.__dict__["_source"] = source  # the optimizers exist once the strategy is set up
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing: `restore` has read the model."""
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self.inputs.move_from is None:
-            return super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
-        from framework.checkpoint import portable
+        from framework.checkpoint.load import load_optimizers
 
-        names = self.parameter_names()
-        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):  # type: ignore[attr-defined]
-            optimizer.load_state_dict(portable.indexed_state(optimizer, saved, names))
+        source = self.__dict__.pop("_source", None)
+        if source is None:
+            return
+        try:
+            load_optimizers(self.optimizers, source, self.parameter_names())  # type: ignore[attr-defined]
+        finally:
+            source.close()
+
+
+def load_pretrained_whole(task: Any, run_dir: Any, rank: int) -> None:
+    """A model built on meta with pretrained weights to read (framework.nn.meta), under a
+    strategy whose ranks keep it whole: each tensor read once, straight into its parameter (its
+    model family's reader, framework/parallel/model.py), before the strategy moves or wraps it."""
+    import torch
+
+    from framework.nn.meta import on_meta
+    from framework.parallel.model import adapter_for
+
+    if on_meta(task):
+        adapter_for(task).load_pretrained(task, torch.device("cpu"), run_dir, rank)
 
 
 def distributed() -> bool:

@@ -156,8 +156,6 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     import lightning.pytorch as pl
 
     from framework.callbacks.checkpoint.callback import STATE_FILE, Checkpointer, Preempted
-    from framework.checkpoint import disk
-    from framework.checkpoint.resume import needs_move
     from framework.config.elastic import fit_plan
     from framework.parallel.transforms import ModelTransforms
     from framework.runtime.elastic import callbacks as elastic_callbacks
@@ -179,13 +177,11 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = build_task(cfg.task)
     data = instantiate_args(cfg.task.data)
-    saved = disk.read_meta(resume_from) if resume_from else {}
-    moved = resume_from is not None and needs_move(saved, plan.checkpoint_format, world.world_size)
     inputs = StrategyInputs(
         transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
         data_parallel=data_parallel,
-        move_from=resume_from if moved else None,  # written by another layout or world size
         data_order=cfg.task.data_order,
+        trust_checkpoint=cfg.run.trust_checkpoint,
     )
     strategy = plan.strategy_plugin.build(plan.strategy, world, inputs)
     loggers = [

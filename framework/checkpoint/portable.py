@@ -1,271 +1,185 @@
-"""A checkpoint in a form that any strategy and process count can load (cross-layout resume).
+"""The one form every checkpoint layout is read in: a `Source`, tensors by parameter name, read
+box by box into storage the reader does not own.
 
-Each strategy writes its own layout: one Lightning file (ddp), per-rank ZeRO partitions
-(DeepSpeed), or torch.distributed.checkpoint shards (fsdp). `read` turns any of them into the
-same full, unsharded state keyed by parameter name, with the partition padding removed:
+Each strategy writes its own layout (framework/checkpoint/formats/: a Lightning file, per-rank
+ZeRO partitions, DCP shards). A `Source` opened on any of them answers, without reading any
+tensor data:
 
-- `model`: the task's `state_dict()` (parameters and buffers), full tensors;
-- `optimizers`: per optimizer, `state` (parameter name -> {"exp_avg": full tensor, "step": ...})
-  and `groups` (the hyperparameters of each param group and the names of its parameters);
-- `rest`: everything else in the Lightning checkpoint (loops, callbacks, LR schedulers, epoch).
+- `model()`: every model tensor (parameters and buffers) by the task's `state_dict()` name, with
+  its whole shape and dtype;
+- `optimizers()`: per optimizer, its param groups (hyperparameters, parameter names) and each
+  parameter's state entries (`exp_avg`: a tensor of the parameter's shape, `step`: a scalar);
+- `rest()`: everything else Lightning keeps in a checkpoint (loops, callbacks, schedulers);
 
-The strategy resuming the run loads that into its own sharding (its `load_portable`, reached
-through `framework.strategy_base.StrategyBase`).
-Every process reads the whole checkpoint once, in CPU memory.
+and `read(requests)` fills each request's `out` tensor with the box of a saved tensor that
+starts at `offset` and has `out`'s shape, converting the dtype. The loader (framework/checkpoint/
+load.py, a strategy's own for ZeRO partitions) points `out` at the storage the new layout keeps
+(a parameter, a DTensor's local shard, a slice of a ZeRO partition), so a rank reads only what
+it holds, and holds it once: its share of the state plus a reader's transient buffer (at most
+one saved chunk of one tensor). Every reader is type-restricted (framework/checkpoint/safe.py):
+loading a checkpoint never runs code.
 """
 
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from framework.checkpoint import disk
-from framework.checkpoint.safe import deepspeed_globals
-
-WRAPPER_PREFIX = "_forward_module."  # Lightning's wrapper around the task module under DeepSpeed
-# What a DeepSpeed checkpoint holds besides the Lightning client state.
-DEEPSPEED_KEYS = {
-    "module",
-    "buffer_names",
-    "optimizer",
-    "param_shapes",
-    "frozen_param_shapes",
-    "shared_params",
-    "frozen_param_fragments",
-    "lr_scheduler",
-    "data_sampler",
-    "random_ltd",
-    "sparse_tensor_module_names",
-    "skipped_steps",
-    "global_steps",
-    "global_samples",
-    "dp_world_size",
-    "mp_world_size",
-    "checkpoint_parallel_dimensions",
-    "ds_config",
-    "ds_version",
-}
 NAMES_KEY = "parameter_names"  # written into Lightning-format checkpoints by the checkpointer
+# Lightning's wrapper around the task module under DeepSpeed (prefixes DeepSpeed's names)
+WRAPPER_PREFIX = "_forward_module."
+MODEL = "model"  # key kind of a model tensor: ("model", name)
+STATE = "state"  # key kind of an optimizer state tensor: ("state", optimizer index, name, entry)
 
 
 class NotPortable(Exception):
-    """This checkpoint cannot be moved to another layout (the message says why)."""
+    """This checkpoint cannot be read into another layout (the message says why)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A saved tensor's whole shape and dtype (no data)."""
+
+    shape: tuple[int, ...]
+    dtype: Any  # a torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass
-class Portable:
-    model: dict[str, Any]
-    optimizers: list[dict[str, Any]]
-    rest: dict[str, Any] = field(default_factory=dict)
+class OptimizerSpec:
+    """One saved optimizer: its param groups (hyperparameters and `params`: parameter names),
+    and per parameter name its state entries, a TensorSpec for each tensor (read with a
+    `("state", index, name, entry)` key) or the value itself for a plain number."""
+
+    groups: list[dict[str, Any]]
+    state: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def read(ckpt: Path) -> Portable:
-    """The full state of a checkpoint directory written by any strategy."""
-    meta = disk.read_meta(ckpt)
-    fmt = meta.get("format", "lightning")
-    path = ckpt / meta.get("state", "state.ckpt")
-    readers = {
-        "lightning": read_lightning,
-        "deepspeed": read_deepspeed,
-        "dcp": read_dcp,
-        "dcp_flat": read_dcp,
-    }
-    if fmt not in readers:
-        raise NotPortable(f"checkpoint format '{fmt}' is not known")
-    return readers[fmt](path)
+@dataclass
+class Read:
+    """Fill `out` with the box of the saved tensor `key` that starts at `offset` (one index per
+    dimension; `out.shape` is the box's size), converted to `out.dtype`."""
+
+    key: tuple
+    out: Any  # a torch.Tensor (a view into the storage that keeps it)
+    offset: tuple[int, ...] = ()
 
 
-def read_lightning(path: Path) -> Portable:
-    import torch
+class Source(Protocol):
+    """A checkpoint's state, read by name, box by box (see the module docstring)."""
 
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    names = ckpt.pop(NAMES_KEY, None)
-    states = ckpt.pop("optimizer_states", [])
-    model = ckpt.pop("state_dict")
-    if names is None and states:
-        raise NotPortable(
-            "it was written before checkpoints recorded their parameter names, so its "
-            "optimizer state cannot be matched to the parameters of another layout"
-        )
-    optimizers = []
-    for state, group_names in zip(states, names or [], strict=True):
-        by_index: dict[int, str] = {}
-        groups = []
-        for group, gnames in zip(state["param_groups"], group_names, strict=True):
-            by_index.update(zip(group["params"], gnames, strict=True))
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": gnames})
-        per_param = {by_index[i]: s for i, s in state["state"].items()}
-        optimizers.append({"state": per_param, "groups": groups})
-    return Portable(model=model, optimizers=optimizers, rest=ckpt)
+    def model(self) -> dict[str, TensorSpec]:
+        """Every model tensor: name -> spec."""
 
+    def optimizers(self) -> list[OptimizerSpec]:
+        """Every optimizer's groups and state entries."""
 
-def read_dcp(path: Path) -> Portable:
-    import tempfile
+    def read(self, requests: list[Read]) -> None:
+        """Fill every request's `out` (a batch: readers group what shares a file or a chunk)."""
 
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    def rest(self) -> dict[str, Any]:
+        """The Lightning checkpoint without its model and optimizer states."""
 
-    with tempfile.TemporaryDirectory() as tmp:
-        whole = Path(tmp) / "whole.pt"
-        dcp_to_torch_save(str(path), str(whole))
-        full = torch.load(whole, map_location="cpu", weights_only=True)
-    rest = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
-    optimizers = []
-    for i in range(len([k for k in full if k.startswith("optimizer_")])):
-        osd = full[f"optimizer_{i}"]
-        if "param_groups" not in osd:
-            optimizers.append(unflatten_optimizer(osd))
-            continue
-        groups = [dict(g) for g in osd["param_groups"]]
-        optimizers.append({"state": dict(osd["state"]), "groups": groups})
-    return Portable(model=full["state_dict"], optimizers=optimizers, rest=rest)
+    def largest_read(self) -> int:
+        """The most bytes the reader holds at once beyond the tensors it fills (one saved chunk,
+        or one piece of a tensor), for `fw check`'s figure of a resume."""
+
+    def close(self) -> None:
+        """Release open files and mappings."""
 
 
-def unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state saved per parameter ('state.<name>.<key>', 'param_groups.<name>.<key>',
-    as pipeline stages write it) in the portable form; parameters with the same settings form
-    one group."""
-    state: dict[str, dict[str, Any]] = {}
-    settings: dict[str, dict[str, Any]] = {}
-    for key, value in flat.items():
-        section, _, rest = key.partition(".")
-        name, _, field = rest.rpartition(".")
-        (state if section == "state" else settings).setdefault(name, {})[field] = value
-    groups: list[dict[str, Any]] = []
-    for name, values in settings.items():
-        group = next((g for g in groups if _same(g, values)), None)
-        if group is None:
-            group = {**values, "params": []}
-            groups.append(group)
-        group["params"].append(name)
-    return {"state": state, "groups": groups}
+def model_key(name: str) -> tuple:
+    return (MODEL, name)
 
 
-def _same(group: dict[str, Any], values: dict[str, Any]) -> bool:
-    keys = set(group) - {"params"}
-    return keys == set(values) and all(str(group[k]) == str(values[k]) for k in keys)
+def state_key(index: int, name: str, entry: str) -> tuple:
+    return (STATE, index, name, entry)
 
 
-def read_deepspeed(path: Path) -> Portable:
-    """Merge the per-rank ZeRO partitions (stage 1, 2 or 3) of a DeepSpeed checkpoint."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch
-
-    root = path / (path / "latest").read_text().strip() if (path / "latest").exists() else path
-    # zero_pp_rank_{r}_mp_rank_00_optim_states.pt; mp_rank_00_model_states.pt (stage 1/2) or
-    # zero_pp_rank_{r}_mp_rank_00_model_states.pt (stage 3, all holding the client state)
-    optim_files = sorted(root.glob("*_optim_states.pt"), key=_rank_of)
-    model_files = sorted(root.glob("*model_states.pt"), key=_rank_of)
-    if not optim_files or not model_files:
-        raise NotPortable(f"{root} holds no DeepSpeed ZeRO partitions")
-    with torch.serialization.safe_globals(deepspeed_globals()):  # data only, and these
-        states = [
-            torch.load(f, map_location="cpu", weights_only=True)["optimizer_state_dict"]
-            for f in optim_files
-        ]
-        model_state = torch.load(model_files[0], map_location="cpu", weights_only=True)
-    world = len(states)
-    stage = int(states[0]["zero_stage"])
-    if stage == 3:
-        base = states[0]["optimizer_state_dict"]
-        flats = [s["fp32_flat_groups"] for s in states]
-        per_rank_state = [s["optimizer_state_dict"]["state"] for s in states]
-    else:
-        base = states[0]["base_optimizer_state"]
-        flats = [s["single_partition_of_fp32_groups"] for s in states]
-        per_rank_state = [s["base_optimizer_state"]["state"] for s in states]
-    shapes = model_state["param_shapes"]
-    strip = _strip_prefix
-
-    def split(flat_parts: list[torch.Tensor], sub: int) -> dict[str, torch.Tensor]:
-        """Full tensors of sub-group `sub` from its per-rank partitions."""
-        out = {}
-        if stage == 3:  # every parameter partitioned on its own, padded to a multiple of world
-            offset = 0
-            for name, shape in shapes[sub].items():
-                numel = math.prod(shape)
-                part = math.ceil(numel / world)
-                pieces = [f.narrow(0, offset, part) for f in flat_parts]
-                out[strip(name)] = torch.cat(pieces)[:numel].view(shape).clone()
-                offset += part
-        else:  # the group flattened whole, then cut into equal partitions (padding at the end)
-            whole = torch.cat(flat_parts)
-            offset = 0
-            for name, shape in shapes[sub].items():
-                numel = math.prod(shape)
-                out[strip(name)] = whole.narrow(0, offset, numel).view(shape).clone()
-                offset += numel
-            if offset > whole.numel():
-                raise NotPortable("its ZeRO partitions are smaller than the recorded shapes")
-        return out
-
-    model: dict[str, Any] = {}
-    opt_state: dict[str, dict[str, Any]] = {}
-    groups = []
-    for group in base["param_groups"]:
-        names: list[str] = []
-        for sub in group["params"]:
-            model.update(split([f[sub] for f in flats], sub))
-            names += [strip(n) for n in shapes[sub]]
-            keys = per_rank_state[0].get(sub, {})
-            for key, value in keys.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 1:
-                    full = split([s[sub][key] for s in per_rank_state], sub)
-                    for name, tensor in full.items():
-                        opt_state.setdefault(name, {})[key] = tensor
-                else:  # a scalar shared by the group (Adam's step)
-                    for name in shapes[sub]:
-                        opt_state.setdefault(strip(name), {})[key] = copy_value(value)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
-    buffers = set(model_state.get("buffer_names", []))
-    for name, value in model_state["module"].items():
-        if name in buffers:
-            model[strip(name)] = value
-    for alias, source in model_state.get("shared_params", {}).items():  # tied weights
-        model[strip(alias)] = model[strip(source)]
-    if model_state.get("frozen_param_shapes"):
-        raise NotPortable("it holds frozen parameters, which ZeRO stores outside its partitions")
-    rest = {k: v for k, v in model_state.items() if k not in DEEPSPEED_KEYS}
-    return Portable(model=model, optimizers=[{"state": opt_state, "groups": groups}], rest=rest)
-
-
-def _rank_of(path: Path) -> int:
-    parts = path.name.split("_")
-    return int(parts[3]) if parts[0] == "zero" else -1
-
-
-def _strip_prefix(name: str) -> str:
+def strip_prefix(name: str) -> str:
     return name.removeprefix(WRAPPER_PREFIX)
 
 
-def copy_value(value: Any) -> Any:
-    return value.clone() if hasattr(value, "clone") else value
+def whole(source: Source, key: tuple, spec: TensorSpec) -> Any:
+    """A saved tensor read whole into new memory (one tensor: for a loader that needs a value,
+    and for the streaming export)."""
+    import torch
+
+    out = torch.empty(spec.shape, dtype=spec.dtype)
+    source.read([Read(key, out, (0,) * len(spec.shape))])
+    return out
 
 
-def group_of(portable_groups: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+def model_tensors(source: Source) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of every model tensor, read one at a time: a consumer that lets each go
+    before the next holds one tensor at a time (`fw export`)."""
+    for name, spec in source.model().items():
+        yield name, whole(source, model_key(name), spec)
+
+
+def full_state(source: Source) -> dict[str, Any]:
+    """Every model tensor in memory at once: for inspecting small checkpoints (tests,
+    debugging), never on a path that runs at the sizes users train."""
+    return dict(model_tensors(source))
+
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple, tuple]]:
+    """The elements [start, stop) of a row-major tensor of `shape` as boxes (offset, size), in
+    order, at most 2 * len(shape) - 1 of them: the form a reader takes for a slice of a
+    flattened tensor (a ZeRO partition)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+
+    def row(index: int, lo: int, hi: int) -> list[tuple[tuple, tuple]]:
+        return [((index, *o), (1, *s)) for o, s in flat_boxes(shape[1:], lo, hi)]
+
+    if first == last:
+        return row(first, start - first * inner, stop - first * inner)
+    boxes, whole_from = [], first
+    if start > first * inner:  # a partial first row
+        boxes += row(first, start - first * inner, inner)
+        whole_from = first + 1
+    whole_to = last + 1 if stop == (last + 1) * inner else last
+    if whole_to > whole_from:
+        boxes.append(((whole_from, *(0,) * (len(shape) - 1)), (whole_to - whole_from, *shape[1:])))
+    if whole_to == last:  # a partial last row
+        boxes += row(last, 0, stop - last * inner)
+    return boxes
+
+
+def flat_reads(key: tuple, shape: tuple[int, ...], out: Any, start: int) -> list[Read]:
+    """Reads that fill the 1-D `out` with the flat elements [start, start + out.numel()) of the
+    saved tensor `key` (of whole `shape`)."""
+    reads, pos = [], 0
+    for offset, size in flat_boxes(tuple(shape), start, start + out.numel()):
+        n = math.prod(size)
+        reads.append(Read(key, out.narrow(0, pos, n).view(size), offset))
+        pos += n
+    return reads
+
+
+def group_of(groups: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     """The hyperparameters of the saved param group holding these parameters."""
-    for group in portable_groups:
+    for group in groups:
         if set(names) & set(group["params"]):
             return {k: v for k, v in group.items() if k != "params"}
     raise NotPortable(f"no saved param group holds {names[:3]}")
 
 
-def indexed_state(optimizer, saved: dict[str, Any], names: dict[int, str]) -> dict[str, Any]:
-    """A name-keyed optimizer state in the positional form `optimizer.load_state_dict` takes."""
-    state, groups, index = {}, [], 0
-    for group in optimizer.param_groups:
-        group_names = [names[id(p)] for p in group["params"]]
-        ids = list(range(index, index + len(group_names)))
-        groups.append({**group_of(saved["groups"], group_names), "params": ids})
-        state.update(
-            {
-                i: saved["state"][n]
-                for i, n in zip(ids, group_names, strict=True)
-                if n in saved["state"]
-            }
-        )
-        index += len(ids)
-    return {"state": state, "param_groups": groups}
+def copy_value(value: Any) -> Any:
+    return value.clone() if hasattr(value, "clone") else value

@@ -27,6 +27,15 @@ def choose(
     """The checkpoint directory to resume from, or None to start at step 0. Unless `trust`, a
     checkpoint whose pickles name more than data is refused (framework.checkpoint.safe)."""
     existing = (run_dir / "config.yaml").exists()
+    if not existing and disk.listing(run_dir / "checkpoints"):
+        raise ConfigError(
+            "run.dir",
+            str(run_dir),
+            "holds checkpoints but no config.yaml: it is not a run directory this framework "
+            "wrote, and its checkpoints would be loaded on the first restart",
+            hint="Choose a new run.dir, or resume one of those checkpoints explicitly with "
+            "resume=PATH.",
+        )
     if mode == "never":
         if existing:
             raise ConfigError(
@@ -55,10 +64,13 @@ def choose(
 
 def check_safe(ckpt: Path, key: str) -> None:
     """Refuse a checkpoint that loading could make run code; `--trust` loads it anyway."""
+    from framework.checkpoint.portable import NotPortable
     from framework.checkpoint.safe import UnsafeCheckpoint, check_checkpoint
 
     try:
         check_checkpoint(ckpt)
+    except NotPortable as err:
+        raise ConfigError(key, str(ckpt), f"is not a readable checkpoint: {err}") from None
     except UnsafeCheckpoint as err:
         raise ConfigError(
             key,
@@ -69,15 +81,16 @@ def check_safe(ckpt: Path, key: str) -> None:
 
 
 def needs_move(meta: dict[str, Any], ckpt_format: str, world_size: int) -> bool:
-    """Whether a checkpoint must be converted to load under this strategy and process count.
+    """Whether a checkpoint is read into another layout than the one that wrote it: another
+    format, or a format that loads as written only under the process count that wrote it
+    (framework/checkpoint/formats: `any_world`). Every load reads by slices; a move is named in
+    the log and checked against the strategy's own limits (`check_move`)."""
+    from framework.checkpoint import formats
 
-    Plain Lightning checkpoints (ddp) load as they are under any process count; sharded ones
-    (DeepSpeed, DCP) as they are only under the strategy and process count that wrote them.
-    """
     saved_format, saved_world = meta.get("format", "lightning"), int(meta.get("world_size", 1))
     if saved_format != ckpt_format:
         return True
-    return saved_format != "lightning" and saved_world != world_size
+    return not formats.named(saved_format).any_world and saved_world != world_size
 
 
 def check_layout(
@@ -91,17 +104,21 @@ def check_layout(
     `check_move(source)` is the strategy plugin's `check_move` bound to its config: it raises
     ConfigError when the strategy cannot take in a checkpoint from another layout.
     """
+    from framework.checkpoint import formats
+
     meta = disk.read_meta(ckpt)
     if not needs_move(meta, ckpt_format, world_size):
         return
     saved_format = meta.get("format", "lightning")
-    if saved_format == "lightning" and not meta.get("parameter_names", False):
+    problem = formats.named(saved_format).movable(meta)
+    if problem:
         raise ConfigError(
             "strategy",
             ckpt_format,
-            f"the checkpoint {ckpt.name} was written by ddp before checkpoints recorded "
-            "parameter names, so its optimizer state cannot be moved to another strategy",
-            hint="Resume it with strategy=ddp; its next checkpoint can then be moved.",
+            f"the checkpoint {ckpt.name} cannot be read into another layout: {problem}",
+            hint=f"Resume it with strategy={describe_strategy(meta.get('config') or {})} "
+            f"({meta.get('world_size', 1)} process(es)), the layout that wrote it; its next "
+            "checkpoint can then be moved.",
         )
     if check_move is not None:  # the strategy's own limits (e.g. DeepSpeed's NVMe offload)
         check_move(

@@ -1,29 +1,33 @@
-"""Checkpoints are data, not code: what a checkpoint's pickles may name, checked before loading.
+"""Checkpoints are data, not code: every read of checkpoint data is type-restricted.
 
 torch, DeepSpeed and DCP keep parts of a checkpoint as Python pickles, and unpickling runs any
-callable the pickle names. Before `fw train` resumes from (or moves) a checkpoint, and before
-`fw export` reads one, every pickle in it is read without building anything it names:
+callable the pickle names. Nothing here unpickles with more than an allowlist, and the readers
+of every format (framework/checkpoint/formats/) go through these functions only:
 
-- torch files (`.ckpt`, `.pt`, the zip format): torch's own `weights_only` unpickler, with the
-  three DeepSpeed classes its ZeRO files name declared as stand-ins (DeepSpeed is not imported);
-  storages are memory-mapped, so no tensor data is read;
-- DCP's `.metadata` (a plain pickle): an unpickler that allows only the classes DCP's metadata is
-  made of;
-- any other pickle is refused; raw tensor data (`.distcp`), JSON and text are not pickles.
+- torch files (`.ckpt`, `.pt`): zip-format files only (a legacy torch file is one pickle, refused),
+  read with torch's `weights_only` unpickler; the three DeepSpeed classes its ZeRO files name
+  are read as inert stand-ins (DeepSpeed is never imported to read a checkpoint);
+- DCP's `.metadata`: an unpickler that allows only the classes DCP's metadata is made of; DCP's
+  byte entries: torch's `weights_only` unpickler (formats/dcp.py);
+- the directory itself: no link (inside it or leaving it), nothing but plain files and folders.
 
-A checkpoint that names anything else is refused before any process starts, naming the file and
-what it names; `--trust` loads it anyway (for checkpoints of your own that carry classes of
-yours). The checkpoints this framework writes pass, so resuming a run of your own needs nothing.
+`check_checkpoint` runs the same readers over a checkpoint before any process starts (a resume,
+an automatic restart, `fw export`), so what is checked is what is loaded, and a refusal is an
+exit 2 before anything starts. `trusted` (`fw train --trust`, which sets
+`run.trust_checkpoint=true`, and `fw export --trust`) lifts the restriction for a checkpoint of
+your own that carries classes of yours: its pickles are then unpickled as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import re
+import stat
 import zipfile
 from pathlib import Path
-
-from framework.checkpoint import disk
+from typing import Any
 
 # What a DeepSpeed ZeRO optimizer file names besides torch's tensors (DeepSpeed 0.19).
 DEEPSPEED_GLOBALS = (
@@ -51,78 +55,141 @@ DCP_GLOBALS = {
     "torch.serialization._get_layout",
     "pathlib.PosixPath",
     "pathlib.PurePosixPath",
+    "pathlib._local.PosixPath",
+    "pathlib._local.PurePosixPath",
     "collections.OrderedDict",
 }
-NOT_PICKLES = {".json", ".distcp", ".py", ".txt", ".yaml", ".md"}
 
 
 class UnsafeCheckpoint(Exception):
-    """A checkpoint file names something that loading it would run; the message says what."""
+    """A checkpoint file names something that loading it would run, or its directory holds
+    what a checkpoint never does (a link, a device); the message says what."""
 
 
-def check_checkpoint(ckpt: Path) -> None:
-    """Raise UnsafeCheckpoint when a pickle in the checkpoint directory names more than data."""
-    meta = disk.read_meta(ckpt)
-    state = ckpt / meta.get("state", "state.ckpt")
-    found = [state] if state.is_file() else sorted(p for p in state.rglob("*") if p.is_file())
-    for path in found:
-        if path.suffix in NOT_PICKLES or path.name == "latest":
-            continue  # DeepSpeed's copies of its own scripts are never run by the framework
-        where = path.relative_to(ckpt.parent)
-        if zipfile.is_zipfile(path):
-            check_torch_file(path, where)
-        elif path.name == ".metadata":
-            check_pickle(path, DCP_GLOBALS, where)
-        elif path.read_bytes()[:1] == b"\x80":  # a pickle's protocol opcode
-            raise UnsafeCheckpoint(f"{where} is a pickle of a kind this framework does not write")
+class StandIn:
+    """Takes the place of a class a checkpoint names for data only (DeepSpeed's loss scaler,
+    stage enum, fragment address): it keeps its arguments and state, runs nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+    @property
+    def value(self) -> Any:
+        """The enum value a stand-in for an Enum was built with (`ZeroStageEnum(3)` -> 3)."""
+        return self.args[0] if self.args else None
 
 
-def check_torch_file(path: Path, where: Path | str) -> None:
+def load_torch(
+    path: Path,
+    where: str | Path | None = None,
+    *,
+    meta: bool = False,
+    mmap: bool = False,
+    trusted: bool = False,
+) -> Any:
+    """A zip-format torch file read with torch's `weights_only` unpickler (`trusted`: without
+    it): `meta` builds every tensor on the meta device (no data read; each storage's place in
+    the file is its `_checkpoint_offset`), `mmap` maps the file (a tensor's data is read when
+    touched)."""
     import torch
 
-    stand_ins = [(_StandIn, name) for name in DEEPSPEED_GLOBALS]
+    where = where if where is not None else path.name
+    if not zipfile.is_zipfile(path):
+        raise UnsafeCheckpoint(
+            f"{where} is not a zip-format torch file (a legacy torch file is one pickle, which "
+            "is never read)"
+        )
+    stand_ins = [(StandIn, name) for name in DEEPSPEED_GLOBALS]
     try:
         with torch.serialization.safe_globals(stand_ins):
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(
+                path,
+                map_location="meta" if meta else "cpu",
+                weights_only=not trusted,
+                mmap=mmap and not meta,
+            )
     except pickle.UnpicklingError as err:
         named = re.search(r"GLOBAL ([\w.]+)", str(err))  # torch names the global it refused
         what = f"names {named.group(1)}" if named else _unpickler_line(str(err))
         raise UnsafeCheckpoint(f"{where} {what}, which a checkpoint never needs") from None
-    except (RuntimeError, OSError, EOFError) as err:
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
         raise UnsafeCheckpoint(f"{where} is not a readable torch file ({err})") from None
 
 
-def check_pickle(path: Path, allowed: set[str], where: Path | str) -> None:
+def load_bytes(data: Any, where: str, trusted: bool = False) -> Any:
+    """An object torch.save wrote into a buffer (DCP's byte entries), with `weights_only`
+    (`trusted`: without it)."""
+    import torch
+
+    try:
+        return torch.load(data, map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = f"names {named.group(1)}" if named else _unpickler_line(str(err))
+        raise UnsafeCheckpoint(f"{where} {what}, which a checkpoint never needs") from None
+
+
+def load_pickle(path: Path, allowed: set[str], where: str | Path, trusted: bool = False) -> Any:
+    """A plain pickle (DCP's `.metadata`) read with only the `allowed` globals (`trusted`: as
+    it is)."""
     with path.open("rb") as fh:
+        if trusted:
+            return pickle.load(fh)  # noqa: S301 - the user vouched for this checkpoint
         try:
-            _Restricted(fh, allowed).load()
+            return _Restricted(fh, allowed).load()
         except UnsafeCheckpoint as err:
             raise UnsafeCheckpoint(f"{where} {err}") from None
         except Exception as err:  # a damaged pickle is refused as well
             raise UnsafeCheckpoint(f"{where} is not a readable pickle ({err})") from None
 
 
+def check_tree(root: Path) -> None:
+    """Nothing in the checkpoint directory `root` is a link or anything but a plain file or a
+    folder (a link could point a reader anywhere on the machine)."""
+    if root.is_symlink():
+        raise UnsafeCheckpoint(f"{root.name} is a link; a checkpoint is a plain directory")
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        for name in (*dirs, *names):
+            path = Path(folder) / name
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                raise UnsafeCheckpoint(
+                    f"{path.relative_to(root.parent)} is a link, which a checkpoint never holds"
+                )
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise UnsafeCheckpoint(
+                    f"{path.relative_to(root.parent)} is not a plain file or folder"
+                )
+
+
+def inside(root: Path, relative: str, what: str) -> Path:
+    """`root / relative` when that names a file directly under `root` by a plain name (no
+    folder part, no absolute path, no `..`), else UnsafeCheckpoint naming `what`."""
+    if not relative or os.sep in relative or relative.startswith(".") or "/" in relative:
+        raise UnsafeCheckpoint(f"{what} names {relative!r}, which is not a file of the checkpoint")
+    return root / relative
+
+
+def check_checkpoint(ckpt: Path) -> None:
+    """Raise UnsafeCheckpoint unless the checkpoint directory `ckpt` reads as data: its tree,
+    then every file its format's reader opens, opened as a load opens them (no tensor data
+    read)."""
+    from framework.checkpoint import formats
+
+    check_tree(ckpt)
+    with contextlib.closing(formats.open_checkpoint(ckpt)) as source:
+        source.model()
+        source.optimizers()
+        source.rest()
+
+
 def _unpickler_line(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if "Unpickler error" in line]
     return lines[0] if lines else "holds something torch's weights_only loading refuses"
-
-
-def deepspeed_globals() -> list:
-    """The real DeepSpeed classes its ZeRO files name, for loading them with weights_only."""
-    import importlib
-
-    found = []
-    for name in DEEPSPEED_GLOBALS:
-        module, _, attr = name.rpartition(".")
-        found.append(getattr(importlib.import_module(module), attr))
-    return found
-
-
-class _StandIn:
-    """Takes the place of a DeepSpeed class while a file is only checked."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
 
 
 class _Restricted(pickle.Unpickler):

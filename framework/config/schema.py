@@ -179,6 +179,11 @@ class RunConfig:
         "Use a run directory that another user owns (refused otherwise: its checkpoints and "
         "files are theirs to plant, and resume=auto would load them).",
     )
+    trust_checkpoint: bool = doc(
+        False,
+        "Load the checkpoint this run resumes from even if its pickles name more than data "
+        "(their code runs): only for checkpoints you made yourself (`fw train --trust`).",
+    )
 
 
 @dataclass

@@ -28,10 +28,13 @@ def with_restarts(
 ) -> None:
     """Run `start(attempt, resume_from)` (one start of every worker: None when they finished,
     else what failed) until the workers finish, each restart from the newest checkpoint this
-    job completed (else where it began); raises WorkerFailure once `max_restarts` are spent."""
+    job completed (else where it began), checked as a resume is before it is loaded (a
+    checkpoint that names more than data ends the job, unless the run trusts its checkpoints);
+    raises WorkerFailure once `max_restarts` are spent."""
     for attempt in range(max_restarts + 1):
         if attempt:
             resume_from = disk.newest_complete(run_dir / "checkpoints") or resume_from
+            check_restart(run_dir, resume_from)
         failure = start(attempt, resume_from)
         if failure is None:
             return
@@ -39,6 +42,22 @@ def with_restarts(
             raise WorkerFailure(failure + after(attempt))
         log.warning("Restart %d of %d after: %s", attempt + 1, max_restarts, failure)
         record_restart(run_dir, attempt + 1, failure)
+
+
+def check_restart(run_dir: Path, ckpt: Path | None) -> None:
+    """A checkpoint a restart resumes from reads as data (framework/checkpoint/safe.py), as the
+    one the job started from was checked before launch; WorkerFailure otherwise."""
+    import yaml
+
+    from framework.checkpoint.safe import UnsafeCheckpoint, check_checkpoint
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    if ckpt is None or (config.get("run") or {}).get("trust_checkpoint"):
+        return
+    try:
+        check_checkpoint(ckpt)
+    except UnsafeCheckpoint as err:
+        raise WorkerFailure(f"the checkpoint to restart from is refused: {err}") from None
 
 
 def after(restarts: int) -> str:

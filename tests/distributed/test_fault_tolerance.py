@@ -286,10 +286,10 @@ def report(out: Path, killed: float, restarted: float, released: float) -> None:
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
     """The full weights of the run's newest checkpoint (any layout: ddp's file, fsdp's DCP)."""
-    from framework.checkpoint import portable
+    from framework.checkpoint.load import read_whole
 
     (last,) = sorted((run / "checkpoints").glob("step*"))[-1:]
-    return portable.read(last).model
+    return read_whole(last).model
 
 
 GOOD = [

@@ -18,8 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework.checkpoint import portable, resume
+from framework.checkpoint import resume
 from framework.checkpoint.export import consolidated_state
+from framework.checkpoint.load import read_whole
 from framework.errors import ConfigError
 from framework.strategies import deepspeed
 from tests.conftest import QUIET, assert_resumed, fw, losses
@@ -80,8 +81,8 @@ def test_every_layout_reads_back_as_the_same_full_state(runs):
     """Model and optimizer state merged from any sharding equal ddp's, shapes without padding."""
     for layout in (layout for layout in CHAIN if layout[0] != "ddp"):
         step = END[layout]
-        want = portable.read(step_dir(runs.root / "reference", step))
-        got = portable.read(step_dir(runs.root / name(layout), step))
+        want = read_whole(step_dir(runs.root / "reference", step))
+        got = read_whole(step_dir(runs.root / name(layout), step))
         assert got.model.keys() == want.model.keys()
         for key, tensor in want.model.items():
             assert got.model[key].shape == tensor.shape, (layout, key)

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "framework.errors",
             "framework.files",
             "framework.logs",
+            "framework.memory",
             "framework.lr_scaling",
             "framework.perf",
             "framework.processes",

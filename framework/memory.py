@@ -1,0 +1,40 @@
+"""This process's resident memory, as Linux reports it (/proc/self): the high-water mark since a
+reset, for the reports of what loading a checkpoint or pretrained weights cost a rank."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's resident-memory high-water mark and return the current resident
+    size in bytes (0 where unknown)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    return status("VmRSS")
+
+
+def peak_rss() -> int:
+    """The resident-memory high-water mark since the last reset, in bytes (0 where unknown)."""
+    return status("VmHWM")
+
+
+def bytes_read() -> int:
+    """Bytes this process has read through read system calls so far (the kernel's `rchar` in
+    /proc/self/io: page cache hits included, so what a reader asked for, not what the disk did;
+    0 where unknown)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def status(field_name: str) -> int:
+    """A /proc/self/status memory field (kB there) in bytes, 0 where unknown."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
