@@ -62,6 +62,8 @@ Run one training step of every rank of the job in this process (torch's fake bac
 memory) and print each rank's memory: parameters, gradients, optimizer, activations.
   --gpu-mem SIZE|GPU  simulate that CUDA device (80GB, H100, ...) and refuse a job that does
                       not fit it (exit 2)
+  --host-mem SIZE     a node's host memory: refuse a job whose pretrained load, resume or
+                      export would not fit it (exit 2); their figures are printed either way
   --ranks R,..        the ranks to simulate (default: the first and last of each pipeline
                       stage)
   --config-dir DIR    another directory of config groups

@@ -8,6 +8,8 @@ import os
 import random
 from pathlib import Path
 
+import lightning.pytorch as pl
+
 BLOCK = 32  # task.data.block_size of the runs that use `periodic_corpus`
 
 
@@ -106,18 +108,15 @@ QWEN3_MOE = "task._target_=tests.hf_moe_tasks.PlainMoE"
 # 2 processes, 3 steps, a checkpoint at step 3, a global batch of 8 sequences (tensor and
 # pipeline ranks share each batch; a data-parallel rank takes 4 of them); the fsdp run goes
 # on to step 6 (checkpoint at 6): the uninterrupted run a checkpoint moved from tensor=2 follows.
-# It holds its model as HeldLlamaForCausalLM: the killed-export test needs it.
+# Each but the pipeline writes its trained model's logits on fixed tokens (FinalLogits): what
+# an export of its checkpoint must give.
+LOGITS = "+callbacks.logits._target_=tests.hf_pretrained.FinalLogits"
 RUNS = {
-    "tensor": ["strategy=tensor", LLAMA, "task.data.batch_size=8"],
-    "fsdp": [
-        "strategy=fsdp",
-        "task._target_=tests.distributed.test_hf_export.HeldLlama",
-        "task.data.batch_size=4",
-        "trainer.max_steps=6",
-    ],
+    "tensor": ["strategy=tensor", LLAMA, "task.data.batch_size=8", LOGITS],
+    "fsdp": ["strategy=fsdp", LLAMA, "task.data.batch_size=4", "trainer.max_steps=6", LOGITS],
     "pipeline": ["strategy=pipeline", LLAMA, "task.data.batch_size=8"],
-    "expert": ["strategy=expert", QWEN3_MOE, "task.data.batch_size=4"],
-    "zero3": ["strategy=zero3", LLAMA, "task.data.batch_size=4"],
+    "expert": ["strategy=expert", QWEN3_MOE, "task.data.batch_size=4", LOGITS],
+    "zero3": ["strategy=zero3", LLAMA, "task.data.batch_size=4", LOGITS],
 }
 
 
@@ -147,4 +146,25 @@ def shared_runs(tmp_path_factory, names) -> dict[str, Path]:
     return {name: root / name for name in names}
 
 
-HOLD = "FW_TEST_HOLD_EXPORT"  # read by test_hf_export.HeldLlamaForCausalLM in `fw export`
+def logit_tokens():
+    """The tokens the trained model's logits are taken on (FinalLogits, and the export tests)."""
+    import torch
+
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+class FinalLogits(pl.Callback):
+    """At the end of training, every rank runs the task's model (`lm`) on `logit_tokens()` as
+    the strategy holds it (sharded, split, partitioned), and rank 0 writes the logits to
+    <run dir>/final_logits.pt: the trained model's own output, which an export must reproduce."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import torch
+
+        pl_module.eval()
+        with torch.no_grad():
+            logits = pl_module.lm(logit_tokens().to(pl_module.device)).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        if trainer.is_global_zero:
+            torch.save(logits.cpu(), Path(trainer.default_root_dir) / "final_logits.pt")
+        pl_module.train()

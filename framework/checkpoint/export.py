@@ -1,67 +1,45 @@
 """`fw export RUN_DIR_OR_CHECKPOINT OUT [--format pt|hf]`: the trained model, loadable without
-this framework.
+this framework, written in bounded memory.
 
-`pt` (the default): a `dict[str, torch.Tensor]` saved with `torch.save`, so
+`pt` (the default): a `dict[str, torch.Tensor]` in torch's zip format, so
 `torch.load(path, weights_only=True)` reads it anywhere torch is installed. Keys are those of the
 task module's `state_dict()` (e.g. `model.blocks.0.attn.qkv.weight`). `hf`: the task's
-transformers model as a directory `from_pretrained` loads (framework.integrations.hf.export).
+transformers model as a directory `from_pretrained` loads (a model family's export format,
+framework/integrations/hf/export.py).
+
+The checkpoint, of any layout, is read one tensor at a time by its format's type-restricted
+reader (framework/checkpoint/formats): the file's layout is written first with every tensor's
+place reserved (torch's `skip_data`), then each tensor is read and written into its place and
+let go. The exporting process holds about one tensor at a time, never the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
+import secrets
 from pathlib import Path
 
-from framework import files
-from framework.checkpoint import disk, portable, resume
+from framework.checkpoint import disk, formats, resume
+from framework.checkpoint.portable import NotPortable, Source, full_state, model_key, whole
 from framework.errors import ConfigError
 
 log = logging.getLogger("framework.checkpoint.export")
 
-
-def consolidated_state(ckpt: Path) -> dict:
-    """The full, unsharded model state of a checkpoint, as CPU tensors."""
-    import torch
-
-    meta = disk.read_meta(ckpt)
-    fmt = meta.get("format", "lightning")
-    path = ckpt / meta.get("state", "state.ckpt")
-    if fmt == "lightning":
-        tensors = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-    elif fmt == "deepspeed":
-        tensors = deepspeed_state(path)
-    elif fmt in ("dcp", "dcp_flat"):
-        tensors = portable.read_dcp(path).model
-    else:
-        raise ConfigError(
-            "source",
-            str(ckpt),
-            f"checkpoint format '{fmt}' cannot be exported",
-            ["lightning", "deepspeed", "dcp", "dcp_flat"],
-        )
-    return {
-        k: v.detach().cpu().contiguous().clone()
-        for k, v in tensors.items()
-        if isinstance(v, torch.Tensor)
-    }
-
-
-def deepspeed_state(path: Path) -> dict:
-    """Gather the fp32 weights of a DeepSpeed checkpoint (any stage, any process count)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="checkpoint")
-    prefix = "_forward_module."  # Lightning's wrapper around the task module
-    return {k.removeprefix(prefix): v for k, v in state.items()}
-
-
 # --format: the plain state dict written here, or a model family's own layout, its module
 # imported only when chosen ("module", with check_options(max_shard_size) and
-# write(ckpt, out, read_state, max_shard_size, force))
+# write(ckpt, out, source, max_shard_size, force, trust))
 FORMATS = {"pt": None, "hf": "framework.integrations.hf.export"}
+FILE_MODE = 0o640
+
+
+def consolidated_state(ckpt: Path) -> dict:
+    """Every model tensor of a checkpoint in memory at once, as CPU tensors: for inspecting
+    small checkpoints (tests, debugging); `fw export` streams instead."""
+    with contextlib.closing(formats.open_checkpoint(ckpt)) as source:
+        return full_state(source)
 
 
 def export(
@@ -72,10 +50,8 @@ def export(
     fmt: str = "pt",
     max_shard_size: str | None = None,
 ) -> Path:
-    """`trust`: read a checkpoint whose pickles name more than data (see framework.checkpoint.safe);
+    """`trust`: read a checkpoint whose pickles name more than data (framework.checkpoint.safe);
     `max_shard_size`: the largest safetensors file of `fmt="hf"`."""
-    import torch
-
     if fmt not in FORMATS:
         raise ConfigError("--format", fmt, "unknown export format", list(FORMATS))
     if max_shard_size is not None and fmt != "hf":
@@ -92,10 +68,49 @@ def export(
     ckpt = disk.resolve(source, "source")
     if not trust:
         resume.check_safe(ckpt, "source")
-    if writer is not None:
-        return writer.write(ckpt, out, consolidated_state, max_shard_size, force)
-    state = consolidated_state(ckpt)
-    # whole or not at all, under a fresh temporary name (a planted symlink is not followed)
-    files.write_atomic_with(out, lambda fh: torch.save(state, fh))
-    log.info("Exported %d tensors from %s to %s", len(state), ckpt, out)
+    try:
+        reader = formats.open_checkpoint(ckpt, trusted=trust)
+    except NotPortable as err:
+        raise ConfigError("source", str(ckpt), f"is not a readable checkpoint: {err}") from None
+    with contextlib.closing(reader):
+        if writer is not None:
+            return writer.write(ckpt, out, reader, max_shard_size, force, trust)
+        count = write_state_file(reader, out)
+    log.info("Exported %d tensors from %s to %s", count, ckpt, out)
     return out
+
+
+def write_state_file(source: Source, out: Path) -> int:
+    """The model's tensors as one torch file at `out`, whole or not at all (written under a
+    fresh hidden name, then renamed; a planted symlink is not followed): the layout first, each
+    tensor's bytes reserved, then one tensor at a time into its place."""
+    import torch
+
+    specs = source.model()
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, FILE_MODE)
+    try:
+        with os.fdopen(fd, "w+b") as fh:
+            # virtual memory only: torch.empty does not touch the pages skip_data leaves unwritten
+            placeholders = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in specs.items()}
+            with torch.serialization.skip_data():
+                torch.save(placeholders, fh)
+            del placeholders
+            fh.flush()
+            fh.seek(0)
+            layout = torch.load(fh, map_location="meta", weights_only=True)
+            for name, spec in specs.items():
+                tensor = whole(source, model_key(name), spec).contiguous()
+                place = layout[name].untyped_storage()._checkpoint_offset
+                data = tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+                os.pwrite(fh.fileno(), memoryview(data), place)
+                del tensor, data
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    disk.fsync_dir(out.parent)
+    return len(specs)

@@ -132,6 +132,16 @@ class ModelAdapter(Protocol):
     def load_pretrained(self, task: nn.Module, device: Any, run_dir: Any, rank: int) -> list:
         """Read the weights of the family's models built on meta, this rank's slices only."""
 
+    def pretrained_sources(self, task: nn.Module) -> list:
+        """A checkpoint Source (framework/checkpoint/portable.py) over the pretrained weights of
+        each of the family's models still on meta, named as the task names them (for a strategy
+        that fills its own partitions: ZeRO-3)."""
+
+    def export_records(self, task: nn.Module) -> list[dict[str, Any]]:
+        """What the family's export format needs to know of each of its models, as data (JSON:
+        recorded in every checkpoint's meta.json, so `fw export` builds nothing the run directory
+        names)."""
+
 
 class FamilyAdapter:
     """The base of a family adapter: every question answered "nothing of mine"."""
@@ -191,6 +201,12 @@ class FamilyAdapter:
         return []
 
     def load_pretrained(self, task: nn.Module, device: Any, run_dir: Any, rank: int) -> list:
+        return []
+
+    def pretrained_sources(self, task: nn.Module) -> list:
+        return []
+
+    def export_records(self, task: nn.Module) -> list[dict[str, Any]]:
         return []
 
 
@@ -351,6 +367,14 @@ class TaskAdapter:
 
     def load_pretrained(self, task, device, run_dir, rank: int) -> list:
         return [r for a in self.adapters for r in a.load_pretrained(task, device, run_dir, rank)]
+
+    def pretrained_sources(self, task) -> list:
+        return [s for a in self.adapters for s in a.pretrained_sources(task)]
+
+    def export_records(self, task) -> dict[str, list[dict[str, Any]]]:
+        """{family name: its records} of the families that have any."""
+        found = {a.name: a.export_records(task) for a in self.adapters}
+        return {name: records for name, records in found.items() if records}
 
 
 DECLARED = DeclaredAdapter()

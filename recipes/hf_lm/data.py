@@ -140,7 +140,26 @@ class HFTextDataModule(TextDataModule):
             engine,
         )
 
+    def record_tokenizer(self) -> None:
+        """Rank 0 copies the tokenizer files into the run directory (`tokenizer/`), where
+        `fw export --format hf` takes them from: an export copies nothing from outside the run
+        directory."""
+        from framework import files
+        from framework.integrations.hf.export import TOKENIZER_DIR, TOKENIZER_FILES
+
+        trainer = getattr(self, "trainer", None)
+        if self.encoder is None or trainer is None or not trainer.is_global_zero:
+            return
+        given = Path(self.tokenizer_name).expanduser()
+        found = [given / n for n in TOKENIZER_FILES] if given.is_dir() else [given]
+        target = Path(trainer.default_root_dir) / TOKENIZER_DIR
+        target.mkdir(exist_ok=True)
+        for path in (f for f in found if f.is_file()):
+            name = "tokenizer.json" if path == given else path.name
+            files.write_atomic_with(target / name, lambda fh, p=path: fh.write(p.read_bytes()))
+
     def setup(self, stage: str | None = None) -> None:
+        self.record_tokenizer()
         encoder = self.encoder
         if encoder is None or self.prepared is not None:
             return super().setup(stage)

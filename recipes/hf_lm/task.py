@@ -3,9 +3,10 @@ from a config dict. The parallel core splits it by the model's own plans (framew
 
 `pretrained=DIR` builds the model from DIR's config.json with its parameters on the meta device:
 no process ever holds a whole copy it does not keep. Its weights are read once the strategy has
-placed the model: by the parallel strategies (fsdp, tensor, fsdp_tp, pipeline, explicit degrees)
-after they split it, each rank reading its own slices (framework/integrations/hf/pretrained.py); by the others
-(ddp, diloco, hogwild, DeepSpeed ZeRO 1-3) whole on every process, at `setup`. Either way before
+placed the model, each rank reading only what it keeps (framework/integrations/hf/pretrained.py):
+the parallel strategies (fsdp, tensor, fsdp_tp, pipeline, explicit degrees) after they split it,
+ZeRO-3 its partitions once DeepSpeed made them, and the strategies that keep the whole model
+(ddp, diloco, hogwild, ZeRO-1/2) each tensor once, straight into the parameter. Either way before
 a checkpoint is restored, so a resumed run continues from its checkpoint.
 """
 
@@ -18,8 +19,7 @@ import torch
 
 from framework import ConfigError, TaskModule
 from framework.integrations.hf import pretrained as weights
-from framework.nn.meta import on_meta, parameters_on_meta
-from framework.parallel.model import adapter_for
+from framework.nn.meta import parameters_on_meta
 
 # task.model.arch -> transformers' config class of that family
 ARCHS = {
@@ -92,11 +92,6 @@ class HFCausalLM(TaskModule):
             )
 
     def setup(self, stage: str) -> None:
-        # a strategy with a device mesh splits the model first and reads each rank's slices
-        # itself (ParallelStrategy.setup); every other one holds the whole model per process
-        if self.device_mesh is None and on_meta(self.model):
-            run_dir, rank = self.trainer.default_root_dir, self.trainer.global_rank
-            adapter_for(self).load_pretrained(self, torch.device("cpu"), run_dir, rank)
         vocab = getattr(self.trainer.datamodule, "vocab_size", None)
         limit = self.model.config.get_text_config().vocab_size
         if vocab is not None and vocab > limit:

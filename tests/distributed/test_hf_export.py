@@ -1,7 +1,10 @@
 """`fw export RUN OUT --format hf`: a plain LightningModule holding a transformers Llama, trained
-under tensor=2, fsdp=2, pipeline=2 and zero3 (and a Qwen3-MoE under ep=2), comes out as a directory `AutoModelForCausalLM.from_pretrained` loads
-with the trained model's logits (1e-5), sharded with an index past --max-shard-size; tied weights
-are written once; a kill -9 mid-export leaves nothing at OUT; bad requests exit 2 writing nothing.
+under tensor=2, fsdp=2, pipeline=2 and zero3 (and a Qwen3-MoE under ep=2), comes out as a
+directory `AutoModelForCausalLM.from_pretrained` loads with the trained model's own logits (1e-5,
+taken in the training processes at the end of training), sharded with an index past
+--max-shard-size; tied weights are written once; the model is built from the checkpoint's
+record of it, never from a class the run directory names, and no file outside the run directory
+is copied; a kill -9 mid-export leaves nothing at OUT; bad requests exit 2 writing nothing.
 """
 
 from __future__ import annotations
@@ -10,42 +13,20 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from tests.conftest import FW, fw, fw_env
+from tests.conftest import fw, fw_env
+from tests.hf_moe_tasks import PlainMoE
+from tests.hf_pretrained import RUNS, logit_tokens, shared_runs
+from tests.hf_tasks import PlainLlama
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
-
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from tests.hf_moe_tasks import PlainMoE  # noqa: E402
-from tests.hf_pretrained import HOLD, RUNS, shared_runs  # noqa: E402
-from tests.hf_tasks import PlainLlama  # noqa: E402
-
-
-class HeldLlamaForCausalLM(LlamaForCausalLM):
-    """A LlamaForCausalLM whose save_pretrained, when $FW_TEST_HOLD_EXPORT names a file, writes
-    that file once every weight is written and then waits: `fw export` is killed there."""
-
-    def save_pretrained(self, directory, **kwargs):
-        super().save_pretrained(directory, **kwargs)
-        marker = os.environ.get(HOLD)
-        if marker:
-            Path(marker).write_text(str(directory))
-            time.sleep(300)
-
-
-class HeldLlama(PlainLlama):
-    """PlainLlama (same init, same training) holding its model as HeldLlamaForCausalLM."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.lm.__class__ = HeldLlamaForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +38,17 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def tokens() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    return logit_tokens()
 
 
 def trained_logits(run: Path, workdir: Path) -> torch.Tensor:
-    """Logits of the run's model as the plain export holds it, loaded into the task's model
-    (exported in this process: the `fw` start-up is paid by the hf exports)."""
+    """Logits of the run's model: those the training processes took at the end of training
+    (FinalLogits), else (the pipeline, whose stages cannot run the model whole) those of its
+    plain export loaded into the task's model."""
     from framework.cli import main
 
+    if (run / "final_logits.pt").exists():
+        return torch.load(run / "final_logits.pt", weights_only=True)
     assert main(["export", str(run), str(workdir / "plain.pt"), "--force"]) == 0
     task = PlainMoE(hidden=64) if run.name == "expert" else PlainLlama(hidden=64)
     task.load_state_dict(torch.load(workdir / "plain.pt", weights_only=True))
@@ -107,10 +91,30 @@ def test_a_small_max_shard_size_writes_shards_and_an_index(runs, workdir):
     assert (hf_logits(out) - trained_logits(runs["tensor"], workdir)).abs().max() <= 1e-5
 
 
+class MemorySource:
+    """A checkpoint Source over tensors in memory (framework/checkpoint/portable.py)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def model(self):
+        from framework.checkpoint.portable import TensorSpec
+
+        return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
+
+    def read(self, requests) -> None:
+        for r in requests:
+            box = self.tensors[r.key[1]]
+            for d, (o, n) in enumerate(zip(r.offset, r.out.shape, strict=True)):
+                box = box.narrow(d, o, n)
+            r.out.copy_(box)
+
+
 def test_tied_weights_are_written_once(tmp_path):
     from safetensors import safe_open
 
-    from framework.integrations.hf.export import assign, save
+    from framework.integrations.hf.adapter import record
+    from framework.integrations.hf.export import build, save
 
     config = LlamaConfig(
         vocab_size=256,
@@ -122,13 +126,11 @@ def test_tied_weights_are_written_once(tmp_path):
         tie_word_embeddings=True,
     )
     trained = LlamaForCausalLM(config)
-    # a consolidated checkpoint holds both names, each its own copy
-    weights = {k: v.detach().clone() for k, v in trained.state_dict().items()}
-    assert "lm_head.weight" in weights
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    assign(model, weights, "lm")
-    save(model, tmp_path, 2**30, None)
+    # a checkpoint holds both names (as the task's `lm.` entries), each its own copy
+    weights = {f"lm.{k}": v.detach().clone() for k, v in trained.state_dict().items()}
+    assert "lm.lm_head.weight" in weights
+    model = build(json.loads(json.dumps(record("lm", trained))))  # as meta.json keeps it
+    save(model, "lm", MemorySource(weights), tmp_path, 2**30, tmp_path / "none")
     with safe_open(tmp_path / "model.safetensors", "pt") as fh:
         names = set(fh.keys())
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
@@ -137,43 +139,62 @@ def test_tied_weights_are_written_once(tmp_path):
         assert (got - trained(tokens()).logits).abs().max() <= 1e-5
 
 
-def test_the_pretrained_directorys_tokenizer_files_are_copied(tmp_path):
-    """A task whose model came from `task.model.pretrained=DIR` gets DIR's tokenizer files;
-    a tokenizer named by `task.data.tokenizer` (the one the data was encoded with) comes first."""
-    from omegaconf import OmegaConf
+def test_only_the_runs_own_tokenizer_files_are_copied(runs, tmp_path, capsys):
+    """The tokenizer comes from the run directory's `tokenizer/` (the hf_lm recipe copies the one
+    it trains with there), plain files of a tokenizer's names only: a file outside the run
+    directory that the checkpoint's config names (a private file of the person exporting) is
+    never copied, nor a link planted in the run directory."""
+    import shutil
+
     from transformers import AutoTokenizer
 
-    from framework.integrations.hf.export import save, tokenizer_dir
-    from tests.hf_pretrained import write_llama, write_word_tokenizer
+    from framework.cli import main
+    from tests.hf_pretrained import write_word_tokenizer
 
-    pretrained = write_llama(tmp_path / "pretrained")
-    write_word_tokenizer(pretrained, ["the", "model", "came", "from", "here"])
-    (pretrained / "notes.txt").write_text("not a tokenizer file")
-    task_cfg = OmegaConf.create({"_target_": "x", "model": {"pretrained": str(pretrained)}})
-    out = tmp_path / "out"
-    out.mkdir()
-    save(AutoModelForCausalLM.from_pretrained(pretrained), out, 2**30, tokenizer_dir(task_cfg))
-    assert (out / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
-    assert not (out / "notes.txt").exists()
+    run = tmp_path / "run"
+    shutil.copytree(runs["tensor"], run, symlinks=True)
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    meta_path = run / "checkpoints" / "step00000003" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["task"]["data"] = {"tokenizer": str(secret)}
+    meta["config"]["task"]["model"] = {"pretrained": str(tmp_path)}
+    meta_path.write_text(json.dumps(meta))
+    write_word_tokenizer(run / "tokenizer", ["the", "model", "came", "from", "here"])
+    (run / "tokenizer" / "notes.txt").write_text("not a tokenizer file")
+    (run / "tokenizer" / "vocab.txt").symlink_to(secret)
+    out = tmp_path / "hf"
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0, capsys.readouterr().err
+    assert (out / "tokenizer.json").read_bytes() == (
+        run / "tokenizer" / "tokenizer.json"
+    ).read_bytes()
+    assert not (out / "notes.txt").exists() and not (out / "vocab.txt").exists()
+    assert not any("PRIVATE" in p.read_text(errors="replace") for p in out.iterdir())
     ids = AutoTokenizer.from_pretrained(out)("model came here").input_ids
     assert ids == [4, 1, 3], ids  # the word-level vocabulary, sorted, after [UNK]
-    # the hf_lm recipe's task.data.tokenizer names the tokenizer it trained with: that one wins
-    other = tmp_path / "other"
-    write_word_tokenizer(other, ["here", "came", "a", "model"])
-    task_cfg.data = {"tokenizer": str(other / "tokenizer.json")}
-    assert tokenizer_dir(task_cfg) == other / "tokenizer.json"
-    (out / "tokenizer.json").unlink()
-    save(AutoModelForCausalLM.from_pretrained(pretrained), out, 2**30, tokenizer_dir(task_cfg))
-    assert (out / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
-    task_cfg.data = {"tokenizer": "bytes"}
-    assert tokenizer_dir(task_cfg) == pretrained
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+import framework.integrations.hf.export as export
+copy = export.copy_tokenizer
+def hold(directory, tmp):  # every weight is written: say where, then wait to be killed
+    copy(directory, tmp)
+    Path(sys.argv[1]).write_text(str(tmp))
+    time.sleep(300)
+export.copy_tokenizer = hold
+from framework.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
 
 
 def test_a_killed_export_leaves_nothing_at_out_and_the_next_one_cleans_up(runs, workdir):
     marker = workdir / "written"
-    env = {**fw_env(), HOLD: str(marker)}
-    args = [str(FW), "export", str(runs["fsdp"]), "hf", "--format", "hf"]
-    proc = subprocess.Popen(args, cwd=workdir, env=env, start_new_session=True)
+    args = [sys.executable, "-c", HOLD, str(marker), "export", str(runs["fsdp"]), "hf"]
+    proc = subprocess.Popen(
+        [*args, "--format", "hf"], cwd=workdir, env=fw_env(), start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 120
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -214,7 +235,7 @@ def test_bad_requests_exit_2_and_write_nothing(runs, workdir, capsys):
     err = refused_export([str(runs["tensor"]), out, "--format", "onnx"], workdir, capsys)
     assert "--format=onnx" in err and "pt, hf" in err
     err = refused_export([str(runs["digits"]), out, "--format", "hf"], workdir, capsys)
-    assert "holds 0 transformers models" in err and "--format pt" in err
+    assert "records no transformers model" in err and "--format pt" in err
     err = refused_export(
         [str(runs["tensor"]), out, "--format=hf", "--max-shard-size=H100"], workdir, capsys
     )
@@ -224,10 +245,13 @@ def test_bad_requests_exit_2_and_write_nothing(runs, workdir, capsys):
     assert "already exists" in err
 
 
-def test_a_checkpoint_naming_a_class_that_is_no_task_is_not_built(runs, tmp_path, capsys):
-    """The checkpoint's recorded config names the class export builds: only a LightningModule
-    is built (a crafted `_target_: subprocess.Popen` would otherwise run a command)."""
+def test_nothing_the_run_directory_names_is_imported_or_built(runs, tmp_path, capsys):
+    """The model is built from the checkpoint's record (a transformers class, by name, out of
+    transformers' own namespace): a crafted `_target_: subprocess.Popen` in its config is never
+    imported or built, and a record naming anything but a transformers model is refused."""
     import shutil
+
+    from framework.cli import main
 
     run = tmp_path / "run"
     shutil.copytree(runs["tensor"], run, symlinks=True)
@@ -238,6 +262,11 @@ def test_a_checkpoint_naming_a_class_that_is_no_task_is_not_built(runs, tmp_path
         "model": {"args": ["touch", str(tmp_path / "x")]},
     }
     meta_path.write_text(json.dumps(meta))
-    err = refused_export([str(run), str(tmp_path / "hf"), "--format", "hf"], tmp_path, capsys)
-    assert "task._target_=subprocess.Popen" in err and "not a LightningModule" in err
+    assert main(["export", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert not (tmp_path / "x").exists()
+    for named in ("Popen", "AutoTokenizer", "os.system"):
+        meta["models"]["transformers"][0]["class"] = named
+        meta_path.write_text(json.dumps(meta))
+        err = refused_export([str(run), str(tmp_path / "hf2"), "--format", "hf"], tmp_path, capsys)
+        assert f"source={named}" in err and "not a transformers model class" in err
     assert not (tmp_path / "x").exists()

@@ -19,6 +19,7 @@ from framework.checkpoint.portable import NAMES_KEY
 from framework.data.order import resumable_part
 from framework.data.sampler import GlobalOrderSampler
 from framework.errors import EXIT_PREEMPTED
+from framework.parallel.model import adapter_for
 from framework.runtime.hooks import skip_unused
 from framework.runtime.vote import PreemptionVote
 
@@ -308,6 +309,8 @@ class Checkpointer(pl.Callback):
             "format": self.ctx.checkpoint_format,
             "state": STATE_FILE,
             "parameter_names": self.names_recorded,
+            # what each model family's export needs, as data (framework/parallel/model.py)
+            "models": adapter_for(trainer.lightning_module).export_records(trainer.lightning_module),
             # training's wait until the state was written (with async_save: copied, plus any
             # earlier write still in flight); the digests and rename of the commit come after
             "stall_s": self.stall,

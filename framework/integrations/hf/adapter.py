@@ -8,6 +8,7 @@ its models has imported it already (`plans.models` looks only then).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from torch import nn
@@ -127,6 +128,25 @@ class TransformersAdapter(FamilyAdapter):
         from framework.integrations.hf import pretrained
 
         return pretrained.load_pretrained(task, device, run_dir, rank)
+
+    def pretrained_sources(self, task: nn.Module) -> list:
+        from framework.integrations.hf import pretrained
+
+        return pretrained.sources(task)
+
+    def export_records(self, task: nn.Module) -> list[dict[str, Any]]:
+        return [record(path, model) for path, model in plans.models(task)]
+
+
+def record(path: str, model: Any) -> dict[str, Any]:
+    """What the export needs to know of one transformers model, as data (meta.json)."""
+    # the class transformers defines (a task may hold a subclass of its own)
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+    return {
+        "path": path,
+        "class": cls.__name__,
+        "config": json.loads(model.config.to_json_string(use_diff=False)),
+    }
 
 
 ADAPTER = TransformersAdapter()

@@ -1,14 +1,20 @@
-"""`fw export RUN_DIR_OR_CHECKPOINT OUT --format hf`: a directory `from_pretrained` loads.
+"""`fw export RUN_DIR_OR_CHECKPOINT OUT --format hf`: a directory `from_pretrained` loads,
+written in bounded memory from data only.
 
-The checkpoint is consolidated as for the plain export (any strategy). The task is rebuilt on the
-meta device from the config the checkpoint recorded, which finds its transformers model, the
-model's path in the task (e.g. `lm.`) and its config, with no weights allocated. The model's
-weights (the prefix stripped) are assigned to that meta model, its ties are made as its config
-says, and transformers' own `save_pretrained` writes config.json, generation_config.json and
-safetensors shards (an index past `--max-shard-size`), so tied weights are written once and the
-layout is the one `from_pretrained` expects. The tokenizer the task trained with is copied beside
-them: the one `task.data.tokenizer` names (the hf_lm recipe: a directory or a tokenizer.json), else
-the tokenizer files of the pretrained directory the model came from (`task.model.pretrained`).
+What the model is comes from the checkpoint's record, not from code: every checkpoint's meta.json
+holds, for each transformers model of the task (`models.transformers`, written by the model
+family's adapter), its path in the task (e.g. `lm`), its class name and its config. The export
+builds that class (a transformers class, found in transformers' own namespace: nothing the run
+directory names is imported) on the meta device from that config, which says which weights are
+tied (written once, under the name `from_pretrained` expects). The weights are then read one at a
+time from the checkpoint (any layout, type-restricted: framework/checkpoint/formats) and written
+into safetensors shards of at most `--max-shard-size`, each shard written and let go before the
+next (an index names the shards past one), beside config.json and generation_config.json. The
+tokenizer copied beside them is the one the run recorded inside its run directory (`tokenizer/`,
+which the hf_lm recipe fills when training starts); no file outside the run directory is copied.
+
+A checkpoint written before the record existed is exported with `--trust` only: the task class
+its config names is then imported and built on the meta device to find the model.
 
 The directory is atomic: written under a hidden temporary sibling (`.OUT.<pid>.<random>.tmp`),
 fsynced, then renamed to OUT. A killed export leaves only that hidden directory, never OUT; the
@@ -17,6 +23,7 @@ next export to OUT removes those left by processes that no longer run.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -28,11 +35,13 @@ from typing import Any
 
 from framework import files
 from framework.checkpoint import disk
+from framework.checkpoint.portable import Source, model_key, whole
 from framework.errors import ConfigError
 
 log = logging.getLogger("framework.checkpoint.export")
 
 DEFAULT_SHARD_SIZE = "5GB"
+TOKENIZER_DIR = "tokenizer"  # in the run directory: the tokenizer files the run trained with
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -65,144 +74,171 @@ def check_options(max_shard_size: str | None) -> None:
 def write(
     ckpt: Path,
     out: Path,
-    read_state: Callable[[Path], dict],
+    source: Source,
     max_shard_size: str | None,
     force: bool = False,
+    trust: bool = False,
 ) -> Path:
     """`fw export --format hf` (framework.checkpoint.export's format table)."""
-    return export_hf(ckpt, out, read_state, max_shard_size or DEFAULT_SHARD_SIZE, force)
-
-
-def export_hf(
-    ckpt: Path,
-    out: Path,
-    read_state: Callable[[Path], dict],
-    max_shard_size: str = DEFAULT_SHARD_SIZE,
-    force: bool = False,
-) -> Path:
-    """Write the transformers model of checkpoint `ckpt` (resolved, checked) as directory `out`;
-    `read_state` consolidates the checkpoint into one state dict (framework.checkpoint.export's, passed in
-    so that the plain export, which dispatches here, is not imported back)."""
-    limit = shard_size(max_shard_size)
-    task_cfg = recorded_task(ckpt)
-    path, model = transformers_model(task_cfg)
-    tokenizer = tokenizer_dir(task_cfg)
-    weights = model_weights(read_state(ckpt), path)
-    assign(model, weights, path)
-    del weights
-    write_dir_atomic(out, lambda tmp: save(model, tmp, limit, tokenizer), force)
+    limit = shard_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    path, model = recorded_model(ckpt, trust)
+    tokenizer = ckpt.parent.parent / TOKENIZER_DIR
+    write_dir_atomic(out, lambda tmp: save(model, path, source, tmp, limit, tokenizer), force)
     log.info("Exported %s (the task's %s) from %s to %s", type(model).__name__, path, ckpt, out)
     return out
 
 
-def recorded_task(ckpt: Path) -> Any:
-    """The task config the run that wrote `ckpt` trained with (recorded in its meta.json)."""
-    from omegaconf import OmegaConf
-
-    config = disk.read_meta(ckpt).get("config")
-    if not isinstance(config, dict) or not isinstance(config.get("task"), dict):
+def recorded_model(ckpt: Path, trust: bool) -> tuple[str, Any]:
+    """(path in the task, model built on the meta device) from the checkpoint's record."""
+    meta = disk.read_meta(ckpt)
+    found = (meta.get("models") or {}).get("transformers")
+    if found is None:
+        if trust:
+            return task_model(meta, ckpt)
         raise ConfigError(
             "source",
             str(ckpt),
-            "the checkpoint records no task config, so its model cannot be rebuilt",
-            hint="Export it as a plain state dict (--format pt).",
+            "the checkpoint records no transformers model (a task without one, or a "
+            "checkpoint written before such records)",
+            ["pt"],
+            hint="Export it as a plain state dict (the default, --format pt); a checkpoint of "
+            "your own from an earlier version exports with --trust, which imports its task class.",
         )
-    return OmegaConf.create(config["task"])
-
-
-def transformers_model(task_cfg: Any) -> tuple[str, Any]:
-    """(path in the task, model) of the task's one transformers model, built on the meta device."""
-    import torch
-    from hydra.utils import get_class
-    from lightning.pytorch import LightningModule
-
-    from framework.instantiate import build_task
-    from framework.integrations.hf.plans import models
-
-    try:
-        import transformers  # noqa: F401  (framework.integrations.hf.plans finds models only once imported)
-    except ImportError:
-        raise ConfigError(
-            "--format", "hf", "needs transformers", hint="Install the `hf` extra."
-        ) from None
-    target = task_cfg.get("_target_")
-    try:
-        cls = get_class(target)
-    except Exception as err:
-        raise ConfigError("task._target_", target, f"cannot be imported ({err})") from None
-    # the class comes from the checkpoint's own record: only a LightningModule is built from it
-    if not (isinstance(cls, type) and issubclass(cls, LightningModule)):
-        raise ConfigError("task._target_", target, "is not a LightningModule")
-    try:
-        with torch.device("meta"):
-            task = build_task(task_cfg)
-    except Exception as err:
-        raise ConfigError("task", target, f"could not be rebuilt: {err}") from None
-    found = models(task)
     if len(found) != 1:
         raise ConfigError(
             "--format",
             "hf",
-            f"the task {target} holds {len(found)} transformers models"
-            + (f" ({', '.join(p or '<task>' for p, _ in found)})" if found else ""),
+            f"the task holds {len(found)} transformers models "
+            f"({', '.join(r['path'] or '<task>' for r in found)})",
             ["pt"],
             hint="--format hf writes the one transformers PreTrainedModel a task holds; "
             "export other tasks as a plain state dict (the default, --format pt).",
         )
+    return found[0]["path"], build(found[0])
+
+
+def build(found: dict[str, Any]) -> Any:
+    """The recorded transformers class, from transformers' own namespace, on the meta device."""
+    import torch
+
+    transformers = import_transformers()
+    cls = getattr(transformers, str(found["class"]), None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ConfigError(
+            "source", found["class"], "is not a transformers model class this version knows"
+        )
+    config = dict(found["config"])
+    config_class = transformers.CONFIG_MAPPING[config.pop("model_type")]
+    with torch.device("meta"):
+        return cls(config_class.from_dict(config))
+
+
+def import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "--format", "hf", "needs transformers", hint="Install the `hf` extra."
+        ) from None
+    return transformers
+
+
+def task_model(meta: dict[str, Any], ckpt: Path) -> tuple[str, Any]:
+    """`--trust` for a checkpoint without a record: its task class imported and built on meta."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from framework.instantiate import build_task
+    from framework.integrations.hf.plans import models
+
+    import_transformers()
+    config = meta.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("task"), dict):
+        raise ConfigError("source", str(ckpt), "the checkpoint records no task config")
+    task_cfg = OmegaConf.create(config["task"])
+    try:
+        with torch.device("meta"):
+            task = build_task(task_cfg)
+    except Exception as err:
+        raise ConfigError(
+            "task", task_cfg.get("_target_"), f"could not be rebuilt: {err}"
+        ) from None
+    found = models(task)
+    if len(found) != 1:
+        raise ConfigError(
+            "--format", "hf", f"the task holds {len(found)} transformers models", ["pt"]
+        )
     return found[0]
 
 
-def tokenizer_dir(task_cfg: Any) -> Path | None:
-    """Where the task's tokenizer is: `task.data.tokenizer` when it names a directory or a file
-    (a tokenizer.json), else the pretrained directory of the model (`task.model.pretrained`)."""
-    for section, key in (("data", "tokenizer"), ("model", "pretrained")):
-        node = task_cfg.get(section)
-        value = node.get(key) if hasattr(node, "get") else None
-        path = Path(str(value)).expanduser() if value else None
-        if path is not None and path.exists():
-            return path
-    return None
+def tied_names(model: Any) -> set[str]:
+    """Names of the weights the model ties to another (written once, under the other name)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", True) and not tied:
+        return set()
+    return set(tied)
 
 
-def model_weights(state: dict, path: str) -> dict:
-    """The model's entries of the task's state dict, keyed as the model names them."""
+def plan_shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """Names in order, in shards of at most `limit` bytes (a bigger tensor alone in its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def save(model: Any, path: str, source: Source, tmp: Path, limit: int, tokenizer: Path) -> None:
+    """config.json, generation_config.json, the weights in shards read one tensor at a time,
+    and the run's tokenizer files."""
+    from safetensors.torch import save_file
+
     prefix = f"{path}." if path else ""
-    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-
-
-def assign(model: Any, weights: dict, path: str) -> None:
-    """Put `weights` into the meta-built `model` (no copy) and tie what its config ties; a
-    checkpoint that does not fit the model is refused, naming the first keys that differ."""
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
+    saved = source.model()
+    skip = tied_names(model)
+    names = [n for n in model.state_dict() if n not in skip]
+    missing = [n for n in names if prefix + n not in saved]
+    if missing:
         raise ConfigError(
             "source",
             path or "<task>",
-            f"the checkpoint does not match the model: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}",
+            f"the checkpoint does not match the model: missing {missing[:3]}",
         )
-    model.tie_weights()  # the tied copies become one tensor, which save_pretrained writes once
+    sizes = {n: saved[prefix + n].nbytes for n in names}
+    shards = plan_shards(sizes, limit)
+    files_of = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    for shard, file in zip(shards, files_of, strict=True):
+        tensors = {n: whole(source, model_key(prefix + n), saved[prefix + n]) for n in shard}
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(tmp)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    copy_tokenizer(tokenizer, tmp)
 
 
-def save(model: Any, tmp: Path, limit: int, tokenizer: Path | None) -> None:
-    """save_pretrained into `tmp`, then the tokenizer: a tokenizer.json file, or the tokenizer
-    files of a directory."""
-    from transformers.utils import logging as hf_logging
-
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(tmp, max_shard_size=limit)
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
-    if tokenizer is not None and tokenizer.is_file():
-        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-    for name in TOKENIZER_FILES if tokenizer is not None and tokenizer.is_dir() else ():
-        if (tokenizer / name).is_file():
-            shutil.copyfile(tokenizer / name, tmp / name)
+def copy_tokenizer(directory: Path, tmp: Path) -> None:
+    """The tokenizer files the run recorded in its run directory (plain files only)."""
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for name in TOKENIZER_FILES:
+        found = directory / name
+        if found.is_file() and not found.is_symlink():
+            shutil.copyfile(found, tmp / name)
 
 
 def write_dir_atomic(out: Path, write: Callable[[Path], None], force: bool) -> None:

@@ -16,25 +16,28 @@ a column slice would have touched, and held, the whole tensor. Nothing here touc
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from framework.checkpoint.load import reads_into
+from framework.checkpoint.portable import TensorSpec
 from framework.errors import ConfigError
 from framework.integrations.hf.safetensors_io import (
     INDEX,
+    read_box,
     read_header,
-    read_stacked,
-    read_tensor,
+    read_stacked_box,
     weight_map,
 )
+from framework.memory import bytes_read, peak_rss, reset_peak_rss
 from framework.nn.meta import materialize, on_meta
 
 log = logging.getLogger("framework.hf")
@@ -159,8 +162,85 @@ class LoadReport:
     local_bytes: int = 0  # this rank's parameters and buffers read (its final shard)
     file_bytes: int = 0  # the weights in the directory's files (the whole model)
     peak_rss_delta: int = 0  # peak resident memory while loading, above where it started
+    io_read: int = 0  # bytes the process read through system calls while loading (the kernel's)
     seconds: float = 0.0
     files_opened: list[str] = field(default_factory=list)
+
+
+class PretrainedSource:
+    """A pretrained directory's safetensors as a checkpoint Source (framework/checkpoint/
+    portable.py) of one model (`prefix`: its path in the task, named as the task names it): a
+    box of any tensor is read from the files by position, through the family's conversions
+    (renamed tensors, per-expert tensors stacked)."""
+
+    def __init__(self, model: nn.Module, directory: Path, prefix: str = "") -> None:
+        self.directory, self.prefix = directory, f"{prefix}." if prefix else ""
+        self.files = weight_map(directory)
+        tied = getattr(model, "_tied_weights_keys", None)
+        tied = tied if isinstance(tied, dict) else {}
+        conv = conversions(getattr(getattr(model, "config", None), "model_type", None))
+        self.keys: dict[str, Any] = {}
+        self.specs: dict[str, Any] = {}
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+            keys = file_keys(name, tensor.shape, self.files, conv) or file_keys(
+                tied.get(name, name), tensor.shape, self.files, conv
+            )
+            if not keys:
+                if isinstance(tensor, nn.Parameter):
+                    raise RuntimeError(f"{directory} holds no weight for parameter {name}")
+                continue  # a buffer computed by the model (not saved)
+            self.keys[self.prefix + name] = keys
+            self.specs[self.prefix + name] = TensorSpec(tuple(tensor.shape), tensor.dtype)
+        self.opened: dict[str, tuple] = {}
+        self.bytes_read = 0
+
+    def model(self) -> dict[str, TensorSpec]:
+        return dict(self.specs)
+
+    def optimizers(self) -> list:
+        return []
+
+    def rest(self) -> dict[str, Any]:
+        return {}
+
+    def entry(self, key: str) -> tuple:
+        """(open file, data offset, header entry) of file tensor `key`."""
+        file = self.files[key]
+        if file not in self.opened:
+            fh = open(self.directory / file, "rb")  # noqa: SIM115 - kept open until close()
+            self.opened[file] = (fh, *read_header(fh))
+        fh, header, base = self.opened[file]
+        return fh, base, header[key]
+
+    def read(self, requests: list) -> None:
+        for request in requests:
+            name = request.key[1]
+            keys, spec = self.keys[name], self.specs[name]
+            starts = list(request.offset) or [0] * len(spec.shape)
+            if isinstance(keys, str):
+                fh, base, info = self.entry(keys)
+                self.bytes_read += read_box(fh, base, info, keys, starts, request.out)
+            else:
+                self.bytes_read += read_stacked_box(
+                    self.entry, keys, spec.shape, starts, list(request.out.shape), request.out
+                )
+
+    def close(self) -> None:
+        for fh, *_ in self.opened.values():
+            fh.close()
+        self.opened.clear()
+
+
+def pending(task: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, model) of the task's transformers models whose parameters are still on meta."""
+    from framework.integrations.hf.plans import models
+
+    return [(path, model) for path, model in models(task) if on_meta(model)]
+
+
+def sources(task: nn.Module) -> list[PretrainedSource]:
+    """A Source per transformers model of the task still on meta, named as the task names it."""
+    return [PretrainedSource(m, Path(m.name_or_path), path) for path, m in pending(task)]
 
 
 @torch.no_grad()
@@ -170,13 +250,11 @@ def load_pretrained(
     """Every transformers model in `task` whose parameters are on meta: storage on `device`,
     then its weights from its directory (`model.name_or_path`), this rank's slices only. The
     reports (one per model) are written to run_dir/pretrained/rank<R>.json and logged."""
-    from framework.integrations.hf.plans import models
-
-    pending = [(path, model) for path, model in models(task) if on_meta(model)]
-    if not pending:
+    found = pending(task)
+    if not found:
         return []
     materialize(task, torch.device(device))
-    reports = [read_into(model, Path(model.name_or_path)) for _, model in pending]
+    reports = [read_into(model, Path(model.name_or_path)) for _, model in found]
     if run_dir is not None:
         write_reports(reports, Path(run_dir), rank)
     return reports
@@ -184,75 +262,30 @@ def load_pretrained(
 
 @torch.no_grad()
 def read_into(model: nn.Module, directory: Path) -> LoadReport:
-    """Fill `model`'s parameters and persistent buffers from the safetensors in `directory`."""
-    start, rss0 = time.perf_counter(), reset_peak_rss()
-    files = weight_map(directory)
-    tied = getattr(model, "_tied_weights_keys", None)
-    tied = tied if isinstance(tied, dict) else {}
-    conv = conversions(getattr(getattr(model, "config", None), "model_type", None))
+    """Fill `model`'s parameters and persistent buffers (the part of each this rank holds: a
+    DTensor's local shard, else whole) from the safetensors in `directory`."""
+    start, rss0, read0 = time.perf_counter(), reset_peak_rss(), bytes_read()
     report = LoadReport(str(directory))
-    by_file: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    pieces: list[tuple[list[list[str]], torch.Tensor]] = []  # held in the files as pieces
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        keys = file_keys(name, tensor.shape, files, conv) or file_keys(
-            tied.get(name, name), tensor.shape, files, conv
-        )
-        if not keys:
-            if isinstance(tensor, nn.Parameter):
-                raise RuntimeError(f"{directory} holds no weight for parameter {name}")
-            continue  # a buffer computed by the model (not saved)
-        if isinstance(keys, str):
-            by_file.setdefault(files[keys], []).append((keys, tensor))
-        else:
-            pieces.append((keys, tensor))
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        report.local_bytes += local.numel() * local.element_size()
-        report.tensors += 1
-    for file, entries in sorted(by_file.items()):
-        report.files_opened.append(file)
-        with open(directory / file, "rb") as fh:
-            header, base = read_header(fh)
-            for key, tensor in entries:
-                report.bytes_read += read_tensor(fh, base, header[key], key, tensor)
-    with contextlib.ExitStack() as stack:
-        opened: dict[str, tuple] = {}
-
-        def entry(key: str) -> tuple:
-            """(open file, data offset, header entry) of file tensor `key`."""
-            if files[key] not in opened:
-                fh = stack.enter_context(open(directory / files[key], "rb"))
-                opened[files[key]] = (fh, *read_header(fh))
-                report.files_opened.append(files[key])
-            fh, header, base = opened[files[key]]
-            return fh, base, header[key]
-
-        for keys, tensor in pieces:
-            report.bytes_read += read_stacked(entry, keys, tensor)
-    report.file_bytes = sum((directory / f).stat().st_size for f in set(files.values()))
+    source = PretrainedSource(model, directory)
+    try:
+        reads = []
+        tensors = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+        for name in source.specs:
+            found = reads_into(tensors[name], ("model", name))
+            reads += found
+            report.local_bytes += sum(r.out.numel() * r.out.element_size() for r in found)
+            report.tensors += 1
+        source.read(reads)
+        report.files_opened = sorted(source.opened)
+        report.bytes_read = source.bytes_read
+    finally:
+        source.close()
+    files = set(source.files.values())
+    report.file_bytes = sum((directory / f).stat().st_size for f in files)
     report.peak_rss_delta = max(0, peak_rss() - rss0)
+    report.io_read = bytes_read() - read0
     report.seconds = time.perf_counter() - start
     return report
-
-
-def reset_peak_rss() -> int:
-    """Reset this process's resident-memory high-water mark (Linux) and return the current
-    resident size in bytes."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmRSS")
-
-
-def peak_rss() -> int:
-    """The resident-memory high-water mark since the last reset, in bytes (0 where unknown)."""
-    return _status("VmHWM")
-
-
-def _status(field_name: str) -> int:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def write_reports(reports: list[LoadReport], run_dir: Path, rank: int) -> None:

@@ -1,6 +1,7 @@
 """Tensors out of safetensors files, read with plain positional reads (an 8-byte header length,
 a JSON header of dtype, shape and byte offsets, then the raw data), each process reading only
-the block of a tensor it holds (a DTensor's local shard, or the whole tensor)."""
+the box of a tensor it holds (a DTensor's local shard, a ZeRO partition's boxes, or the whole
+tensor)."""
 
 from __future__ import annotations
 
@@ -28,30 +29,16 @@ DTYPES = {
 }
 
 
-def local_block(target: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
-    """(sizes, starts, local tensor) of the block of the whole tensor `target` holds: a
-    DTensor's local shard (as torch's checkpointing computes it), a plain tensor whole."""
-    if hasattr(target, "to_local"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        sizes, starts = compute_local_shape_and_global_offset(
-            target.shape, target.device_mesh, target.placements
-        )
-        return list(sizes), list(starts), target.to_local()
-    return list(target.shape), [0] * target.dim(), target
-
-
-def read_stacked(entry, parts: list[list[str]], target: torch.Tensor) -> int:
-    """Read this rank's block of a stacked expert tensor (E, R, C) from per-expert file tensors:
-    expert e's rows are the parts' tensors of expert e, concatenated. Only the experts and rows
-    of the block are read; returns the bytes read."""
-    sizes, starts, local = local_block(target)
+def read_stacked_box(entry, parts: list[list[str]], shape, starts, sizes, out: torch.Tensor) -> int:
+    """Read the box (starts, sizes) of a stacked expert tensor of `shape` (E, R, C) into `out`,
+    from per-expert file tensors: expert e's rows are the parts' tensors of expert e,
+    concatenated. Only the experts and rows of the box are read; returns the bytes read."""
     read = 0
     for e in range(starts[0], starts[0] + sizes[0]):
         offset = 0  # of the part's first row in the expert's rows
         for part in parts:
             fh, base, info = entry(part[e])
-            rows, want = info["shape"][0], [target.shape[1], target.shape[2]]
+            rows, want = info["shape"][0], [shape[1], shape[2]]
             if len(info["shape"]) != 2 or info["shape"][1] != want[1]:
                 raise RuntimeError(f"{part[e]}: shape {info['shape']} does not stack into {want}")
             lo = max(starts[1], offset)
@@ -65,11 +52,11 @@ def read_stacked(entry, parts: list[list[str]], target: torch.Tensor) -> int:
                     [lo - offset, starts[2]],
                     [hi - lo, sizes[2]],
                 )
-                local[e - starts[0], lo - starts[1] : hi - starts[1]].copy_(block)
+                out[e - starts[0], lo - starts[1] : hi - starts[1]].copy_(block)
                 read += block.numel() * block.element_size()
             offset += rows
-        if offset != target.shape[1]:
-            raise RuntimeError(f"{parts[0][e]}...: {offset} rows do not make {target.shape[1]}")
+        if offset != shape[1]:
+            raise RuntimeError(f"{parts[0][e]}...: {offset} rows do not make {shape[1]}")
     return read
 
 
@@ -94,31 +81,30 @@ def read_header(fh) -> tuple[dict, int]:
     return header, 8 + size
 
 
-def read_tensor(fh, base: int, entry: dict, key: str, target: torch.Tensor) -> int:
-    """Read the part of tensor `key` that `target` (a DTensor's local shard, or a whole tensor)
-    holds into it; returns the bytes read."""
-    shape = list(entry["shape"])
-    if list(target.shape) != shape:
-        raise RuntimeError(
-            f"{key}: the checkpoint's shape {shape} is not the model's {list(target.shape)}"
-        )
-    sizes, starts, local = local_block(target)
+def read_box(fh, base: int, entry: dict, key: str, starts, out: torch.Tensor) -> int:
+    """Read the box of file tensor `key` that starts at `starts` and has `out`'s shape into
+    `out` (straight into its memory where it can take the bytes as they are); returns the bytes
+    read."""
+    shape, sizes = list(entry["shape"]), list(out.shape)
+    if any(s + n > d for s, n, d in zip(starts, sizes, shape, strict=True)) or len(sizes) != len(
+        shape
+    ):
+        raise RuntimeError(f"{key}: the checkpoint's shape {shape} does not hold a box {sizes}")
     if math.prod(sizes) == 0:
         return 0
     dtype = DTYPES[entry["dtype"]]
-    # straight into the parameter's memory where it can take the bytes as they are
-    direct = local.device.type == "cpu" and local.dtype == dtype and local.is_contiguous()
+    direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
     data = read_slice(
         fh.fileno(),
         base + entry["data_offsets"][0],
         dtype,
         shape,
-        starts,
+        list(starts),
         sizes,
-        out=local.view(-1).view(torch.uint8) if direct else None,
+        out=out.view(-1).view(torch.uint8) if direct else None,
     )
     if not direct:
-        local.copy_(data.view(local.shape))
+        out.copy_(data.view(out.shape))
     return data.numel() * data.element_size()
 
 
