@@ -1,46 +1,64 @@
 """States that each process keeps for itself under the strategies whose processes step their own
-optimizer (diloco, hogwild): gathered to rank 0 for a checkpoint, and averaged into the one
-state another strategy resumes with."""
+optimizer (diloco, hogwild): each process writes its own into the checkpoint, and the one state
+another strategy (or another process count) resumes with is their mean, all-reduced tensor by
+tensor. No process ever gathers another's."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-def on_cpu(state: Any) -> Any:
-    """A copy of a nested state with every tensor in CPU memory (for pickling to rank 0)."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: on_cpu(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(on_cpu(v) for v in state)
-    return state
+FOLDER = "replicas"  # in a checkpoint directory: one file per process
 
 
-def mean_state(states: tuple[dict[str, Any], ...]) -> dict[str, Any]:
-    """One optimizer's state dict with each floating-point tensor averaged over the processes'
-    (a momentum buffer averaged is ddp's: the mean of the gradients it accumulates)."""
-    first = states[0]
-    per_param = {}
-    for index, entry in first["state"].items():
-        per_param[index] = {
-            key: torch.stack([s["state"][index][key] for s in states]).mean(0)
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim()
-            else value
-            for key, value in entry.items()
-        }
-    return {**first, "state": per_param}
+def replica_file(ckpt_dir: Path, rank: int) -> Path:
+    return Path(ckpt_dir) / FOLDER / f"rank{rank:05d}.pt"
 
 
-def gather_to_zero(state: Any) -> list[Any] | None:
-    """Every process's `state` on rank 0, in rank order (None elsewhere)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [state]
-    rank = dist.get_rank()
-    out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(state, out, dst=0)
-    return out
+def write_replica(ckpt_dir: Path, rank: int, state: Any) -> None:
+    """This process's own state, in its own file of the checkpoint being written."""
+    from framework import files
+
+    path = replica_file(ckpt_dir, rank)
+    path.parent.mkdir(exist_ok=True)
+    files.write_atomic_with(path, lambda fh: torch.save(state, fh))
+
+
+def read_replica(ckpt_dir: Path, rank: int, trusted: bool = False) -> Any:
+    """This process's own state from a checkpoint (type-restricted: framework.checkpoint.safe)."""
+    from framework.checkpoint import safe
+
+    path = replica_file(ckpt_dir, rank)
+    return safe.load_torch(path, f"{Path(ckpt_dir).name}/{FOLDER}/{path.name}", trusted=trusted)
+
+
+def mean_states(optimizers: list[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    """Each optimizer's state dict with every floating-point tensor averaged over the processes
+    (a momentum buffer averaged is ddp's: the mean of the gradients it accumulates), one tensor
+    at a time: each process holds its own state and one more copy of it, never another's. Every
+    process calls it (collectives)."""
+    size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    states = []
+    for optimizer in optimizers:
+        saved = optimizer.state_dict()
+        per_param = {}
+        for index, entry in saved["state"].items():
+            per_param[index] = {
+                key: _mean(value, size)
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim()
+                else value
+                for key, value in entry.items()
+            }
+        states.append({**saved, "state": per_param})
+    return states
+
+
+def _mean(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    total = tensor.detach().clone()
+    if size > 1:
+        dist.all_reduce(total)
+        total /= size
+    return total.cpu()

@@ -113,9 +113,14 @@ def test_moves_between_ddp_and_localsgd_continue_ddp_with_momentum(ddp_sgd, tmp_
         err = train([*SGD, MOMENTUM, *leg], run, steps=end)
         if i:
             assert_resumed(err, run, end)
-    saved = torch.load(run / "checkpoints" / "step00000009" / "state.ckpt", weights_only=True)
-    replicas = saved["diloco"]["replicas"]
-    assert len(replicas) == 2 and all("model" not in r for r in replicas), "synchronised"
+    ckpt = run / "checkpoints" / "step00000009"
+    saved = torch.load(ckpt / "state.ckpt", weights_only=True)
+    assert saved["diloco"]["replicas"] == 2
+    # each process wrote its own file (no process gathered another's state)
+    files = sorted((ckpt / "replicas").iterdir())
+    assert [f.name for f in files] == ["rank00000.pt", "rank00001.pt"]
+    replicas = [torch.load(f, weights_only=True) for f in files]
+    assert all("model" not in r for r in replicas), "synchronised"
     buffers = [r["optimizers"][0]["state"][0]["momentum_buffer"] for r in replicas]
     assert not torch.equal(*buffers), "each process keeps its own inner state"
     mean = saved["optimizer_states"][0]["state"][0]["momentum_buffer"]

@@ -84,8 +84,11 @@ def test_one_worker_is_sequential_sgd_bitwise_also_across_a_resume(tmp_path):
         assert plain.wait(timeout=300) == 0, log.read_text()[-3000:]
     got, want = losses(run), losses(reference)
     assert sorted(got) == list(range(12)) and got == want, (got, want)
-    saved = torch.load(run / "checkpoints" / "step00000006" / "state.ckpt", weights_only=True)
-    (own,) = saved["hogwild"]["optimizers"]  # one worker: its own state is the average
+    ckpt = run / "checkpoints" / "step00000006"
+    saved = torch.load(ckpt / "state.ckpt", weights_only=True)
+    assert saved["hogwild"] == {"workers": 1}
+    own = torch.load(ckpt / "replicas" / "rank00000.pt", weights_only=True)
+    # one worker: its own state is the average
     assert torch.equal(
         own[0]["state"][0]["momentum_buffer"],
         saved["optimizer_states"][0]["state"][0]["momentum_buffer"],
@@ -115,8 +118,14 @@ def test_two_workers_share_one_model_and_reach_090_accuracy(tmp_path):
     last = sorted((run / "checkpoints").glob("step*"))[-1]
     saved = torch.load(last / "state.ckpt", weights_only=True)
     assert all(torch.equal(saved["state_dict"][name], seen[0][name]) for name in seen[0])
-    own = [opt[0]["state"][0]["exp_avg"] for opt in saved["hogwild"]["optimizers"]]
-    assert len(own) == 2 and not torch.equal(*own), "each worker keeps its own optimizer"
+    # each worker wrote its own optimizer state (none gathered another's), the mean beside them
+    own = [
+        torch.load(last / "replicas" / f"rank{r:05d}.pt", weights_only=True)[0]["state"][0]
+        for r in (0, 1)
+    ]
+    assert not torch.equal(own[0]["exp_avg"], own[1]["exp_avg"]), "each keeps its own optimizer"
+    mean = saved["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert torch.allclose(mean, (own[0]["exp_avg"] + own[1]["exp_avg"]) / 2)
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,12 @@ outer step of the fragments whose round ends there.
 A checkpoint is ddp's Lightning file (gathered to rank 0) with these differences:
 - `state_dict` holds the outer (start-of-round) parameters: the model the processes agreed on last;
 - `optimizer_states` holds the processes' inner optimizer states averaged (what ddp, or any other
-  strategy, resumes with; for a momentum buffer it is exactly ddp's);
-- the key `diloco` holds the outer state (`Rounds.state_dict`) and `replicas`: every process's
-  own inner optimizer state and, mid-round only, its own model (gathered with
-  `framework.parallel.replicas`).
+  strategy, resumes with; for a momentum buffer it is exactly ddp's), all-reduced tensor by
+  tensor;
+- the key `diloco` holds the outer state (`Rounds.state_dict`) and `replicas`, the process count;
+- each process writes its own inner optimizer state and, mid-round only, its own model into its
+  own file of the checkpoint (`replicas/rankNNNNN.pt`, framework.parallel.replicas): no process
+  gathers another's.
 Resuming with as many processes puts each replica back, so a resume at any step continues
 exactly (the checkpointer restores each process's RNG and the data position). With another
 process count, or from a checkpoint without `diloco` (ddp, or any layout moved in), the rounds
@@ -21,13 +23,14 @@ start again from the saved model at the resumed step.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from framework.parallel.replicas import gather_to_zero, mean_state, on_cpu
+from framework.parallel.replicas import mean_states, read_replica, write_replica
 from framework.strategies.diloco.rounds import Rounds
 from framework.strategy_base import Replicated
 
@@ -74,14 +77,13 @@ class DiLoCo(Replicated):
             own = {"optimizers": [opt.state_dict() for opt in self.optimizers]}
             if not self.rounds.synced():
                 own["model"] = self.lightning_module.state_dict()
-            saved["replicas"] = gather_to_zero(on_cpu(own))
-            if self.is_global_zero:  # what another strategy reads: the processes' mean
-                per_rank = [r["optimizers"] for r in saved["replicas"]]
-                checkpoint["optimizer_states"] = [
-                    mean_state(s) for s in zip(*per_rank, strict=True)
-                ]
+            write_replica(Path(filepath).parent, self.global_rank, own)
+            # what another strategy reads: the processes' mean
+            checkpoint["optimizer_states"] = mean_states(self.optimizers)
+            saved["replicas"] = self.world_size
             checkpoint[KEY] = saved
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.barrier("replicas-written")  # every file is written before rank 0 commits
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
@@ -93,20 +95,22 @@ class DiLoCo(Replicated):
             log.info("No DiLoCo state in the checkpoint: the first round starts here.")
             return
         replicas = saved["replicas"]
-        if len(replicas) != self.world_size:
-            mid_round = "model" in replicas[0]
+        count = replicas if isinstance(replicas, int) else len(replicas)
+        if count != self.world_size:
             log.warning(
                 "The checkpoint was written by %d processes, not %d: each starts from the mean "
-                "inner optimizer state%s, and the rounds start again.",
-                len(replicas),
+                "inner optimizer state, from the outer parameters (the steps since the last "
+                "synchronisation are dropped), and the rounds start again.",
+                count,
                 self.world_size,
-                ", from the outer parameters (the steps since the last synchronisation are dropped)"
-                if mid_round
-                else "",
             )
             return
         self.rounds.load_state_dict(saved, self.rounds.outer_by_name())
-        own = replicas[self.global_rank]
+        own = (
+            replicas[self.global_rank]
+            if isinstance(replicas, list)  # written by an earlier version, gathered
+            else read_replica(self.checkpoint_dir, self.global_rank, self.inputs.trust_checkpoint)
+        )
         if "model" in own:
             self.lightning_module.load_state_dict(own["model"])
         for optimizer, state in zip(self.optimizers, own["optimizers"], strict=True):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from framework.parallel.replicas import gather_to_zero, mean_state, on_cpu
+from framework.parallel.replicas import mean_states, read_replica, write_replica
 from framework.strategies.hogwild.shared import share_parameters
 from framework.strategy_base import Replicated
 
@@ -70,28 +70,35 @@ class Hogwild(Replicated):
         # Every worker has finished the same number of steps; none steps again until rank 0
         # has written the shared parameters (checkpoint["state_dict"] views them).
         self.barrier("hogwild-checkpoint")
-        own = gather_to_zero(on_cpu([opt.state_dict() for opt in self.optimizers]))
-        if self.is_global_zero:
-            checkpoint["optimizer_states"] = [mean_state(s) for s in zip(*own, strict=True)]
-            checkpoint[KEY] = {"optimizers": own}
+        # each worker its own optimizer state in its own file; the mean for other layouts
+        write_replica(
+            Path(filepath).parent, self.global_rank, [o.state_dict() for o in self.optimizers]
+        )
+        checkpoint["optimizer_states"] = mean_states(self.optimizers)
+        checkpoint[KEY] = {"workers": self.world_size}
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self.barrier("hogwild-checkpoint-written")
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)  # the average, or a moved layout's
+        super().load_optimizer_state_dict(checkpoint)  # the average, or another layout's
         saved = checkpoint.get(KEY)
-        if saved is None or self.inputs.move_from is not None:
+        if saved is None:
             return
-        own = saved["optimizers"]
-        if len(own) != self.world_size:
+        count = saved["workers"] if "workers" in saved else len(saved["optimizers"])
+        if count != self.world_size:
             log.warning(
                 "The checkpoint was written by %d hogwild workers, not %d: each starts from "
                 "their mean optimizer state.",
-                len(own),
+                count,
                 self.world_size,
             )
             return
-        for optimizer, state in zip(self.optimizers, own[self.global_rank], strict=True):
+        own = (
+            saved["optimizers"][self.global_rank]
+            if "optimizers" in saved  # written by an earlier version, gathered
+            else read_replica(self.checkpoint_dir, self.global_rank, self.inputs.trust_checkpoint)
+        )
+        for optimizer, state in zip(self.optimizers, own, strict=True):
             optimizer.load_state_dict(state)
 
 
