@@ -2,6 +2,11 @@
 
 `CommCounter`: `+callbacks.comm._target_=framework.debug.CommCounter +callbacks.comm.out=DIR`
 writes DIR/comm.json with the collectives of one training step, per module and direction.
+
+`PeakMemory`: `+callbacks.peak._target_=framework.debug.PeakMemory +callbacks.peak.out=DIR`
+writes DIR/rank<R>.json with each rank's resident-memory high-water mark after its first
+optimizer step (the build, any pretrained load or resume, and one step: what a resume costs over a
+fresh start of the same job is the difference between the two runs' figures) and at the end.
 """
 
 from __future__ import annotations
@@ -45,3 +50,29 @@ class CommCounter(pl.Callback):
         self.mode = None
         if trainer.global_rank == 0:
             (Path(self.out) / "comm.json").write_text(json.dumps(counts, indent=1, default=str))
+
+
+class PeakMemory(pl.Callback):
+    """Each rank's resident-memory high-water mark (VmHWM), after its first optimizer step of
+    this fit and at the end, written to `out`/rank<R>.json (bytes)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.figures: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if "first_step" not in self.figures:
+            from framework.memory import peak_rss
+
+            self.figures["first_step"] = peak_rss()
+            self._write(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from framework.memory import peak_rss
+
+        self.figures["end"] = peak_rss()
+        self._write(trainer)
+
+    def _write(self, trainer) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.figures))

@@ -15,6 +15,7 @@ def check_command(args: list[str], parse) -> int:
     from framework.preflight.check import check
 
     gpu_mem, args = take_option(args, "--gpu-mem")
+    host_mem, args = take_option(args, "--host-mem")
     ranks, args = take_option(args, "--ranks")
     chosen = None
     if ranks is not None:
@@ -25,7 +26,7 @@ def check_command(args: list[str], parse) -> int:
     multirun, dirs, overrides, _ = parse(args)
     if multirun:
         raise ConfigError("-m", "multirun", "fw check checks one job; give one value per key")
-    report = check(overrides, dirs, gpu_mem, chosen)
+    report = check(overrides, dirs, gpu_mem, chosen, host_mem=host_mem)
     sys.stdout.write(report.table() + "\n")
     if report.fits is False:
         worst = report.worst

@@ -33,8 +33,10 @@ def check(
     gpu_mem: str | None = None,
     ranks: list[int] | None = None,
     quick: bool = False,
+    host_mem: str | None = None,
 ) -> CheckReport:
-    """Compose, validate and simulate the job; ConfigError for anything its workers would fail."""
+    """Compose, validate and simulate the job; ConfigError for anything its workers would fail
+    (`host_mem`: a node's host memory, which the peaks of its loads and export must fit)."""
     started = time.perf_counter()
     cfg, plan = composed(overrides, extra_dirs)
     world = plan.world
@@ -51,8 +53,42 @@ def check(
     report.world = world
     report.plan = plan
     count_sent(cfg, report)
+    host = parse_memory("--host-mem", host_mem) if host_mem is not None else None
+    check_phases(cfg, plan, report, host)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def check_phases(cfg: DictConfig, plan: JobPlan, report: CheckReport, host: int | None) -> None:
+    """The memory of a pretrained load, a resume and an export (framework/preflight/phases.py)
+    as notes under the table; ConfigError when a node's ranks would not fit `host` bytes."""
+    import torch
+
+    from framework.instantiate import build_task
+    from framework.preflight import phases
+
+    with torch.device("meta"):
+        model = build_task(cfg.task)
+    found = phases.phases(cfg, model)
+    worst = report.worst
+    own = worst.params + worst.optimizer
+    report.notes += phases.notes(found, own)
+    if host is None:
+        return
+    per_node = plan.world.devices
+    for phase in found:
+        peak = phases.host_peak(phase, own, not plan.world.is_cuda) * (
+            1 if phase.name == "export" else per_node
+        )
+        if peak > host:
+            unit, scale = byte_unit(max(peak, host))
+            raise ConfigError(
+                "--host-mem",
+                f"{host / scale:.3f}{unit}",
+                f"the {phase.name} would need about {peak / scale:.3f} {unit} of host memory on "
+                f"a node ({per_node} rank(s): {phase.what})",
+                hint="Use more nodes or fewer ranks per node, or a node with more memory.",
+            )
 
 
 def count_sent(cfg: DictConfig, report: CheckReport) -> None:
