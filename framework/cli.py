@@ -26,7 +26,7 @@ usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]   train (-m: o
                [--sort time|cost|simplicity] [--json] [--measure K] [KEY=VALUE ...]
                                                   ... with predicted step time, tokens/s, MFU,
                                                   hours and cost
-       fw calibrate [--out FILE] [--processes N]          measure this machine for fw plan
+       fw calibrate [--out FILE] [--processes N] [--cpu]  measure this CPU for fw plan
        fw prepare [--workers N] [--engine local|ray] [KEY=VALUE ...]
                                                   encode the task's data once (e.g. into
                                                   task.data.prepared), resumable
@@ -91,13 +91,16 @@ each checked as `fw check` would; with a device, each with its predicted step ti
   --config-dir DIR         another directory of config groups
 """,
     "calibrate": """\
-usage: fw calibrate [--out FILE] [--processes N]
+usage: fw calibrate [--out FILE] [--processes N] [--cpu]
 
-Measure this machine for `fw plan --hardware FILE`: matmul TFLOP/s by dtype, memory bandwidth,
-the cost of one operation, and all-reduce latency and bandwidth over the backend `fw train` uses
-here, in N processes (default 2) started with torch's launcher.
+Measure this machine's CPU for `fw plan --hardware FILE`: matmul TFLOP/s by dtype, memory
+bandwidth, the cost of one operation, and all-reduce latency and bandwidth over gloo, in N
+processes (default 2) started as fw train starts a job's workers (their store on 127.0.0.1). It
+measures no GPU: on a machine with CUDA devices it refuses (plan a GPU job with fw plan --gpu
+NAME) unless --cpu is given.
   --out FILE        where to write it (default: calibration.json)
   --processes N     processes to measure with (default 2)
+  --cpu             calibrate the CPU even where CUDA devices are present
 """,
     "prepare": """\
 usage: fw prepare [--workers N] [--engine local|ray] [--config-dir DIR] [KEY=VALUE ...]

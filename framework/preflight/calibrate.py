@@ -1,21 +1,24 @@
-"""`fw calibrate [--out FILE] [--processes N]`: measure this machine into a file `fw plan
+"""`fw calibrate [--out FILE] [--processes N] [--cpu]`: measure this machine into a file `fw plan
 --hardware FILE` reads (framework/preflight/hardware.py's Device, marked as a calibration).
 
-N processes (2 by default) are started with torch's launcher (`torch.distributed.run`, as
-torchrun), on the backend `fw train` would use here (gloo on the CPU), each with the threads and
-the allocator settings a worker of an N-process job gets (framework/worker.py: the cores shared
-out; framework/allocator.py: freed memory kept for the next step). Measured at the same time in
-every process, as the job's ranks compete for the cores: the compute rates
-(framework/preflight/rates.py); the all-reduce time by message size after a layer's worth of
-compute (framework/preflight/waits.py's `allreduce_times`), from which the latency (the small messages) and the bus bandwidth
-(the largest: 2 (N-1)/N x bytes / time, the volume a ring moves per rank) are taken; the wait of
-a blocking collective after a short and a long stretch of compute (`waits_after_compute`); what
-one blocking functional collective adds to a tensor-parallel step (`functional_waits`); the
-host's cost of an operation on DTensors and
-of one FSDP2 unit's hooks per step, from a small model's step run plain, tensor parallel and
-under FSDP2 (`host_costs`); and the training loop's own work per step (`trainer_step_s`). The
-figures are the rates a step meets on this machine, so the efficiency is 1. Communication and
-compute share the CPU's cores, so no traffic is taken to hide behind compute (overlap 0).
+It measures the CPU: on a machine with CUDA devices it refuses (a GPU job is planned from the GPU
+tables, `fw plan --gpu NAME`) unless `--cpu` asks for the CPU anyway.
+
+N processes (2 by default) are started as launcher=local starts a job's workers (a store on
+127.0.0.1, signed with a token of this run; `python -P`), on the backend `fw train` would use here
+(gloo on the CPU), each with the threads and the allocator settings a worker of an N-process job
+gets (framework/worker.py: the cores shared out; framework/allocator.py: freed memory kept for the
+next step). Measured at the same time in every process, as the job's ranks compete for the cores:
+the compute rates (framework/preflight/rates.py); the all-reduce time by message size after a
+layer's worth of compute (framework/preflight/waits.py's `allreduce_times`), from which the latency
+(the small messages) and the bus bandwidth (the largest: 2 (N-1)/N x bytes / time, the volume a
+ring moves per rank) are taken; the wait of a blocking collective after a short and a long stretch
+of compute (`waits_after_compute`); what one blocking functional collective adds to a tensor-
+parallel step (`functional_waits`); the host's cost of an operation on DTensors and of one FSDP2
+unit's hooks per step, from a small model's step run plain, tensor parallel and under FSDP2
+(`host_costs`); and the training loop's own work per step (`trainer_step_s`). The figures are the
+rates a step meets on this machine, so the efficiency is 1. Communication and compute share the
+CPU's cores, so no traffic is taken to hide behind compute (overlap 0).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,9 +40,11 @@ def calibrate_command(args: list[str]) -> int:
 
     out, args = take_option(args, "--out")
     processes, args = take_option(args, "--processes")
+    cpu = "--cpu" in args
+    args = [a for a in args if a != "--cpu"]
     if args:
         raise ConfigError(
-            "option", args[0], "unknown option of fw calibrate", ["--out", "--processes"]
+            "option", args[0], "unknown option of fw calibrate", ["--out", "--processes", "--cpu"]
         )
     n = processes or "2"
     if not n.isdigit() or int(n) < 2:
@@ -48,16 +52,49 @@ def calibrate_command(args: list[str]) -> int:
     target = Path(out or "calibration.json").resolve()
     if not target.parent.is_dir():
         raise ConfigError("--out", out, "its directory does not exist")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-        "-m", "framework.preflight.calibrate", str(target),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    done = subprocess.run(command, env=env, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"fw calibrate: the measuring processes failed ({done.returncode})")
+    if not cpu:
+        refuse_cuda()
+    failure = run_measuring_processes(int(n), target)
+    if failure is not None:
+        raise RuntimeError(f"fw calibrate: the measuring processes failed: {failure}")
     sys.stdout.write(f"Wrote {target}\n")
     return 0
+
+
+def refuse_cuda() -> None:
+    """ConfigError on a machine with CUDA devices: a calibration measures the CPU and gloo,
+    so it would describe a GPU node's host, not its GPUs (a GPU job is planned from the GPU
+    tables: fw plan --gpu NAME)."""
+    import torch
+
+    if torch.cuda.is_available():
+        raise ConfigError(
+            "fw calibrate",
+            f"{torch.cuda.device_count()} CUDA device(s)",
+            "measures this machine's CPU and gloo only, not its GPUs or NCCL: a GPU job is "
+            "planned from the GPU tables",
+            hint="Plan it with fw plan --gpu NAME (H100, A100, ...); add --cpu to calibrate "
+            "this machine's CPU for CPU jobs anyway.",
+        )
+
+
+def run_measuring_processes(n: int, target: Path) -> str | None:
+    """`n` measuring processes, started as launcher=local starts a job's workers on one machine
+    (framework/launchers/local): fresh interpreters (`python -P`: the working directory's files
+    shadow no module), a store on 127.0.0.1 whose values are signed with a token of this run
+    (framework/launch/signed.py). None when they finished, else what failed."""
+    from framework.launchers import local
+    from framework.world import World
+
+    world = World(world_size=n, devices=n, num_nodes=1, accelerator="cpu")
+    cfg = local.Config(start_method="spawn", hang_timeout_s=0)
+    entry = (sys.executable, ("-P", "-m", "framework.preflight.calibrate", str(target)))
+    threads = os.environ.pop("OMP_NUM_THREADS", None)  # measure() shares the cores out
+    try:
+        return local.start_workers(cfg, world, "spawn", entry, target.parent)
+    finally:
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = threads
 
 
 def probe_model(torch):
@@ -190,11 +227,13 @@ def measure(out: str) -> None:
     import torch.distributed as dist
 
     from framework import allocator
+    from framework.launch.signed import sign_worker_store
     from framework.preflight.hardware import write_calibration
 
     n = int(os.environ["WORLD_SIZE"])
     allocator.configure(allocator.mode_for("auto", on_cuda=False))  # as a CPU job's workers
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))  # as framework/worker.py
+    sign_worker_store()  # the process group's store, as a job's workers sign it
     dist.init_process_group("gloo")
     dist.barrier()
     local = compute_rates(torch, dist.barrier)

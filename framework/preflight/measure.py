@@ -24,9 +24,11 @@ WINDOWS = 8  # the first is warm-up; the median of the other seven is reported (
 
 
 def measure_command(overrides: list[str], world: list[str], run_dir: Path) -> list[str]:
+    """The layout's `fw train` (`python -P`: a `torch.py` in the working directory is not
+    imported; fw appends the directory, so the user's modules are still found)."""
     steps = 1 + WINDOW * WINDOWS  # the throughput callback's first batch counts FLOPs, unwindowed
     return [
-        sys.executable, "-m", "framework.cli", "train", *overrides, *world,
+        sys.executable, "-P", "-m", "framework.cli", "train", *overrides, *world,
         f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
         f"trainer.log_every_n_steps={WINDOW}", "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false", "~callbacks.checkpoint",

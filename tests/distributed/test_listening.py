@@ -1,16 +1,20 @@
-"""Who can reach a job: a local job's stores listen on loopback only (launchers/rendezvous.py);
-the multi-node token is in test_slurm.py, beside the other multi-node jobs."""
+"""Who can reach a job: a local job's stores listen on loopback only (launch/rendezvous.py), and
+so do `fw calibrate`'s; the multi-node token is in test_slurm.py, beside the other multi-node
+jobs, and a stranger's forgeries in test_forged_rendezvous.py."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import signal
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 from framework.launch.signals import child_pids
-from tests.conftest import QUIET
+from tests.conftest import FW, QUIET, fw_env
 from tests.distributed.test_resume import start, wait_for_step
 
 
@@ -58,5 +62,36 @@ def test_a_local_jobs_stores_listen_on_loopback_only(workdir):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert len(sockets) >= 2, f"the rendezvous and the workers' stores at least: {sockets}"
+    hosts = {ipaddress.ip_address(s.rpartition(":")[0]) for s in sockets}
+    assert all(h.is_loopback for h in hosts), sockets
+
+
+def test_fw_calibrate_listens_on_loopback_only(workdir):
+    """Its measuring processes meet as a local job's workers do (it started `torchrun
+    --standalone`, whose stores listen on every interface)."""
+    proc = subprocess.Popen(
+        [str(FW), "calibrate", "--out", "calibration.json"],
+        cwd=workdir,
+        env=fw_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sockets: set[str] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            tree = [proc.pid, *child_pids(proc.pid)]
+            tree += [pid for child in tree[1:] for pid in child_pids(child)]
+            sockets |= listening(tree)
+            if len(sockets) >= 2:  # the store, and a measuring process's own
+                break
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert sockets, proc.stderr.read()[-3000:]
     hosts = {ipaddress.ip_address(s.rpartition(":")[0]) for s in sockets}
     assert all(h.is_loopback for h in hosts), sockets

@@ -678,3 +678,19 @@ def test_a_blocking_collective_waits_longer_after_longer_compute_and_by_how_it_i
     assert predict(WORK, facts, plain).comm_s == pytest.approx(
         collective_s(tensor["tensor"], 8, 2, plain.intra)
     )
+
+
+def test_fw_calibrate_on_a_machine_with_cuda_refuses_to_describe_its_cpu_as_the_gpu(
+    tmp_path, monkeypatch, capsys
+):
+    """A calibration measures the CPU and gloo: on a GPU node it would describe the host, and
+    a GPU job is planned from the GPU tables; refused (exit 2) unless --cpu asks for the CPU."""
+    from framework.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    out = tmp_path / "calibration.json"
+    assert main(["calibrate", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "8 CUDA device(s): measures this machine's CPU and gloo only" in err, err
+    assert "fw plan --gpu NAME" in err and "--cpu" in err and not out.exists()

@@ -67,7 +67,7 @@ def ask_gcs(address: str, timeout_s: float) -> str | None:
     the interpreter's shutdown (exit -11 after the refusal was printed)."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _ASK_GCS, address],
+            [sys.executable, "-P", "-c", _ASK_GCS, address],  # -P: no module from the cwd
             capture_output=True,
             text=True,
             timeout=timeout_s,
