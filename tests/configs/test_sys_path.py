@@ -46,3 +46,33 @@ def test_spawned_workers_import_neither_a_stray_torch_py_and_find_the_users_task
     assert result.returncode == 0, result.stderr[-3000:]
     assert not marker.exists(), "a worker imported the stray torch.py"
     assert (workdir / "run" / "checkpoints" / "step00000002").is_dir(), "the user's task trained"
+
+
+def stray(workdir, module: str):
+    """A `module`.py in the working directory that leaves a marker when imported."""
+    marker = workdir / f"stray-{module}-ran"
+    (workdir / f"{module}.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nraise SystemExit('the stray {module}.py ran')\n"
+    )
+    return marker
+
+
+def test_the_pythons_fw_starts_itself_import_no_stray_module(workdir, monkeypatch):
+    """`fw plan --measure` runs each layout as `python -P -m framework.cli train ...`, and the
+    Ray launcher probes the cluster with `python -P -c ...`: a torch.py or ray.py where the
+    command runs is not imported (`fw calibrate`'s processes: test_listening.py)."""
+    import subprocess
+
+    from framework.launchers.ray.cluster import ask_gcs
+    from framework.preflight.measure import measure_command
+    from tests.conftest import fw_env
+
+    torch_ran, ray_ran = stray(workdir, "torch"), stray(workdir, "ray")
+    # trainer.devices=64: refused after torch is imported (the CPU count is checked)
+    command = measure_command(["trainer.devices=64"], [], workdir / "run")
+    done = subprocess.run(command, cwd=workdir, env=fw_env(), capture_output=True, text=True)
+    assert done.returncode == 2 and "trainer.devices=64" in done.stderr, done.stderr[-2000:]
+    assert not torch_ran.exists(), "fw plan --measure's fw train imported the stray torch.py"
+    monkeypatch.chdir(workdir)
+    ask_gcs("127.0.0.1:1", 4)  # nothing answers there; the probe is killed at the deadline
+    assert not ray_ran.exists(), "the Ray probe imported the stray ray.py"

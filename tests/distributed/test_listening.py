@@ -68,7 +68,10 @@ def test_a_local_jobs_stores_listen_on_loopback_only(workdir):
 
 def test_fw_calibrate_listens_on_loopback_only(workdir):
     """Its measuring processes meet as a local job's workers do (it started `torchrun
-    --standalone`, whose stores listen on every interface)."""
+    --standalone`, whose stores listen on every interface), and start as `python -P`: a
+    torch.py where the command runs is not imported."""
+    marker = workdir / "stray-torch-ran"
+    (workdir / "torch.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit(1)\n")
     proc = subprocess.Popen(
         [str(FW), "calibrate", "--out", "calibration.json"],
         cwd=workdir,
@@ -92,6 +95,7 @@ def test_fw_calibrate_listens_on_loopback_only(workdir):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    assert not marker.exists(), "a measuring process imported the stray torch.py"
     assert sockets, proc.stderr.read()[-3000:]
     hosts = {ipaddress.ip_address(s.rpartition(":")[0]) for s in sockets}
     assert all(h.is_loopback for h in hosts), sockets
