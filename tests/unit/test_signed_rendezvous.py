@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import importlib
 import json
+import os
 import pickle
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -137,3 +138,33 @@ def test_the_nodes_compare_configs_as_macs():
     guessed = signed.config_macs("a-guess", "fw-join/fw/1", mine)
     with pytest.raises(ConfigError):
         rendezvous.check_same(TOKEN, "fw-join/fw/1", mine, guessed)
+
+
+def test_a_slurm_jobs_tasks_sign_their_process_group_store(monkeypatch, tmp_path):
+    """launcher=slurm hands the job a new key in its environment (no file holds it) and each
+    task signs its process group's store with it (torch's store on the first node listens on
+    every interface) before it trains."""
+    from framework import external, worker
+    from framework.launchers import slurm
+    from framework.world import World
+
+    handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+    monkeypatch.setitem(handlers, "env", handlers["env"])  # put back after the test
+    monkeypatch.delenv(signed.STORE_KEY_ENV, raising=False)
+    monkeypatch.delenv(rendezvous.TOKEN_ENV, raising=False)
+    with slurm.job_token(needed=False):
+        key = os.environ[signed.STORE_KEY_ENV]
+        assert len(key) == 64 and rendezvous.TOKEN_ENV not in os.environ
+    assert signed.STORE_KEY_ENV not in os.environ, "only while submitting"
+    with slurm.job_token(needed=True):
+        assert os.environ[rendezvous.TOKEN_ENV] and os.environ[signed.STORE_KEY_ENV]
+
+    monkeypatch.setenv(signed.STORE_KEY_ENV, key)  # as the job's environment has it
+    seen = []
+    monkeypatch.setattr(external, "check_world", lambda world: None)
+    monkeypatch.setattr(
+        worker, "entry", lambda *a, **k: seen.append(getattr(handlers["env"], "fw_signed", False))
+    )
+    world = World(world_size=2, devices=2, num_nodes=1, accelerator="cpu")
+    task = slurm.Task(str(tmp_path / "config.yaml"), "", "USR2", 0, world)
+    assert task() == "finished" and seen == [True]

@@ -152,7 +152,7 @@ def build(cfg: Config, plan: JobPlan):
         task = Task(
             str(config_path), str(resume_from or ""), cfg.signal, cfg.max_requeues, world, min_nodes
         )
-        with job_token(elastic(cfg, world)):
+        with job_token(elastic(cfg, world)):  # in the job's environment, in no file
             job = executor.submit(task)
         logs = run_dir / "slurm"
         redact_scripts(logs)
@@ -173,19 +173,23 @@ def build(cfg: Config, plan: JobPlan):
 
 @contextlib.contextmanager
 def job_token(needed: bool):
-    """While submitting an elastic job: the token its node agents share at the rendezvous, in
-    the environment sbatch hands to the job (FW_RDZV_TOKEN if set, else a new random one), so
-    that it is written into no file of the run directory."""
+    """While submitting: in the environment sbatch hands to the job (so that it is written into
+    no file of the run directory), the key every task signs its process group's store with (a
+    new random one: torch's store on the first task's node listens on every interface) and,
+    for an elastic job, the token its node agents share at the rendezvous (FW_RDZV_TOKEN if
+    set, else a new random one)."""
     from framework.launch import rendezvous
+    from framework.launch.signed import STORE_KEY_ENV
 
-    if not needed or os.environ.get(rendezvous.TOKEN_ENV):
-        yield
-        return
-    os.environ[rendezvous.TOKEN_ENV] = secrets.token_hex(16)
+    added = {STORE_KEY_ENV: secrets.token_hex(32)}
+    if needed and not os.environ.get(rendezvous.TOKEN_ENV):
+        added[rendezvous.TOKEN_ENV] = secrets.token_hex(16)
+    os.environ.update(added)
     try:
         yield
     finally:
-        os.environ.pop(rendezvous.TOKEN_ENV, None)
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def redact_scripts(folder: Path) -> None:
@@ -234,6 +238,9 @@ class Task:
         if self.min_nodes is not None:
             return self.run_node(resume, requeued)
         check_world(self.world)
+        from framework.launch.signed import sign_worker_store
+
+        sign_worker_store()  # the tasks' process-group store: signed with the job's key
         stopped = []
         worker.entry(self.config_path, resume, on_preempted=stopped.append)
         if not stopped:
