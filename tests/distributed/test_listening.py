@@ -45,25 +45,32 @@ def listening(pids: list[int]) -> set[str]:
 
 
 def test_a_local_jobs_stores_listen_on_loopback_only(workdir):
+    """The stores, and gloo's own sockets: gloo listens where the host name resolves (loopback
+    on this machine, a network address on many), so the workers of a job on one machine get
+    GLOO_SOCKET_IFNAME=lo (spawned here: their environment is readable in /proc)."""
     args = [
         "task._target_=tests.tasks.SlowDigitsTask",
         "+task.model.step_sleep=0.1",
         "trainer.devices=2",
         "trainer.max_steps=200",
         "trainer.log_every_n_steps=1",
+        "launcher.start_method=spawn",
         *QUIET,
         "run.dir=run",
     ]
     proc = start(args, workdir)
     try:
         wait_for_step(workdir / "run", 1, proc)
-        sockets = listening([proc.pid, *child_pids(proc.pid)])
+        workers = child_pids(proc.pid)
+        sockets = listening([proc.pid, *workers])
+        environs = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in workers]
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert len(sockets) >= 2, f"the rendezvous and the workers' stores at least: {sockets}"
     hosts = {ipaddress.ip_address(s.rpartition(":")[0]) for s in sockets}
     assert all(h.is_loopback for h in hosts), sockets
+    assert len(environs) == 2 and all(b"GLOO_SOCKET_IFNAME=lo" in e for e in environs)
 
 
 def test_fw_calibrate_listens_on_loopback_only(workdir):

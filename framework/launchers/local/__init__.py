@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("framework.launcher")
 
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
 __all__ = ["Config", "WorkerFailure", "WorkersPreempted", "build", "join", "validate"]
 
 
@@ -367,6 +369,11 @@ def start_workers(
     os.environ[signed.STORE_KEY_ENV] = signed.store_key(token)
     # every node has trainer.devices workers: the agents compute the ranks, not read them
     os.environ[rendezvous.IDENTICAL_ENV] = "1"
+    # gloo listens where the host name resolves (a node's network address, often): the workers
+    # of a job on one machine listen on loopback, unless the user named an interface
+    loopback_gloo = store is not None and GLOO_IFNAME not in os.environ
+    if loopback_gloo:
+        os.environ[GLOO_IFNAME] = "lo"
     log_dir = Path(tempfile.mkdtemp(prefix="fw-elastic-"))
     launch_config = LaunchConfig(
         min_nodes=min_nodes,
@@ -430,6 +437,8 @@ def start_workers(
         if preload is not None:
             preload.stop()  # before any next start forks: no import is then half done
         del store  # the single-node rendezvous store closes with the job
+        if loopback_gloo:
+            os.environ.pop(GLOO_IFNAME, None)  # this job's, not the next one's (a sweep's)
         os.environ.pop(HEARTBEAT_ENV, None)
         exits.stop()
         if watchdog is not None:
