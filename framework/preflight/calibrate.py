@@ -84,11 +84,13 @@ def run_measuring_processes(n: int, target: Path) -> str | None:
     shadow no module), a store on 127.0.0.1 whose values are signed with a token of this run
     (framework/launch/signed.py). None when they finished, else what failed."""
     from framework.launchers import local
+    from framework.processes import python
     from framework.world import World
 
     world = World(world_size=n, devices=n, num_nodes=1, accelerator="cpu")
     cfg = local.Config(start_method="spawn", hang_timeout_s=0)
-    entry = (sys.executable, ("-P", "-m", "framework.preflight.calibrate", str(target)))
+    executable, *args = python("-m", "framework.preflight.calibrate", str(target))
+    entry = (executable, tuple(args))
     threads = os.environ.pop("OMP_NUM_THREADS", None)  # measure() shares the cores out
     try:
         return local.start_workers(cfg, world, "spawn", entry, target.parent)

@@ -13,10 +13,11 @@ import csv
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from framework.processes import python
 
 WINDOW = 5
 WINDOWS = 8  # the first is warm-up; the median of the other seven is reported (steps scatter by
@@ -28,7 +29,7 @@ def measure_command(overrides: list[str], world: list[str], run_dir: Path) -> li
     imported; fw appends the directory, so the user's modules are still found)."""
     steps = 1 + WINDOW * WINDOWS  # the throughput callback's first batch counts FLOPs, unwindowed
     return [
-        sys.executable, "-P", "-m", "framework.cli", "train", *overrides, *world,
+        *python("-m", "framework.cli", "train"), *overrides, *world,
         f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
         f"trainer.log_every_n_steps={WINDOW}", "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false", "~callbacks.checkpoint",

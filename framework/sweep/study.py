@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from typing import Any
 
 from framework import files, secrets
 from framework.errors import EXIT_CONFIG, ConfigError
+from framework.processes import python
 from framework.sweep import config as sweep_config
 from framework.sweep.space import literal, override
 
@@ -322,9 +322,7 @@ def trial_command(search: Search, number: int, sampled: list[str], run_dir: Path
             for k, v in search.cfg.pruner_args.items()
         ]
     words += [f"{key}={literal(search.study_name)}" for key in search.group_keys]
-    # -P: the working directory is not put first on sys.path (a stray torch.py there is not
-    # imported); `fw` appends it, so the user's modules are still found
-    return [sys.executable, "-P", "-m", "framework.cli", "train", *words]
+    return python("-m", "framework.cli", "train", *words)  # -P: no module from the cwd
 
 
 def train(command: list[str], log_file: Path, shown: list[str]) -> int:

@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from framework.launch.preload import Preload
 from framework.launch.restarts import WorkerFailure, after, record_restart, with_restarts
 from framework.launch.signals import PREEMPT_SIGNALS, child_pids, forward_signals, signal_workers
 from framework.logs import scrub_every_handler
+from framework.processes import python
 from framework.watchdog import HEARTBEAT_ENV, WATCHED, ExitWatch, Watchdog
 from framework.world import RESTART_ENV, World
 
@@ -305,13 +305,12 @@ def worker_args(
         from framework import worker
 
         return worker.entry, (str(config_path), str(resume_from or ""), "fork", None, config)
-    # -P: the working directory is not put first on sys.path (a stray torch.py there would
-    # shadow torch); the worker appends it, as fw does, so the user's modules are found
-    safe = ("-P",) if sys.version_info >= (3, 11) else ()
-    args = (*safe, "-m", "framework.worker", str(config_path))
+    # -P: a stray torch.py in the working directory does not shadow torch; the worker appends
+    # the directory, as fw does, so the user's modules are found
+    executable, *args = python("-m", "framework.worker", str(config_path))
     if resume_from is not None:
-        args += ("--resume", str(resume_from))
-    return sys.executable, args
+        args += ["--resume", str(resume_from)]
+    return executable, tuple(args)
 
 
 def start_workers(

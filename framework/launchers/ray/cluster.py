@@ -8,13 +8,13 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from framework.errors import ConfigError
+from framework.processes import python
 from framework.world import World
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def ask_gcs(address: str, timeout_s: float) -> str | None:
     the interpreter's shutdown (exit -11 after the refusal was printed)."""
     try:
         done = subprocess.run(
-            [sys.executable, "-P", "-c", _ASK_GCS, address],  # -P: no module from the cwd
+            python("-c", _ASK_GCS, address),  # no module from the working directory
             capture_output=True,
             text=True,
             timeout=timeout_s,
