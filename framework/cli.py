@@ -18,6 +18,11 @@ usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]   train (-m: o
                                                   swept value; --trust: resume from a
                                                   checkpoint whose pickles name more than data)
        fw config [--config-dir DIR] [KEY=VALUE ...]       show the composed config, documented
+       fw validate|test|predict RUN_DIR_OR_CHECKPOINT [--config-dir DIR] [--trust] [KEY=VALUE ...]
+                                                  evaluate a trained model (any layout, any
+                                                  strategy and process count): metrics in
+                                                  RUN_DIR/test.csv, predictions in
+                                                  RUN_DIR/predictions
        fw check [--gpu-mem SIZE|GPU] [--ranks R,..] [KEY=VALUE ...]
                                                   memory per rank and first-step failures of
                                                   the job, for any process count, in this process
@@ -43,8 +48,36 @@ usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]   train (-m: o
 Examples:
   fw train task=gpt strategy=ddp trainer.devices=2 trainer.max_steps=200 run.dir=runs/first
   fw train -m seed=1,2 trainer.devices=2
+  fw test runs/first strategy=fsdp trainer.devices=2
   fw config task=gpt
 """
+
+EVALUATION_HELP = """\
+usage: fw {command} RUN_DIR_OR_CHECKPOINT [--config-dir DIR] [--trust] [KEY=VALUE ...]
+
+{what} The run's own config (config.yaml) is used, with the overrides on top: a
+group chosen here (strategy=fsdp, launcher=slurm, logger=[csv,tensorboard]) replaces the run's,
+KEY=VALUE changes one key (trainer.devices=2, trainer.limit_{limit}_batches=10). The checkpoint
+is RUN_DIR/checkpoints/best when the checkpoint callback keeps one (callbacks.checkpoint.monitor),
+else the newest complete one, or the checkpoint directory given; any layout is read under any
+strategy and process count.
+  --config-dir DIR   another directory of config groups (replacing built-in options of the
+                     same name)
+  --trust            read a checkpoint whose pickles name more than data (docs/security.md)
+  --cfg job|all      print the config it would run with, as fw config does, and stop
+"""
+EVALUATION_WHAT = {
+    "validate": "Run the task's validation_step over its val_dataloader (Lightning's\n"
+    "Trainer.validate) and print the metrics; each run adds a row to RUN_DIR/validate.csv and\n"
+    "sends the metrics to the run's loggers.",
+    "test": "Run the task's test_step over its test_dataloader (Lightning's Trainer.test) and\n"
+    "print the metrics; each run adds a row to RUN_DIR/test.csv and sends the metrics to the\n"
+    "run's loggers (the same W&B run).",
+    "predict": "Run the task's predict_step over its predict_dataloader (Lightning's\n"
+    "Trainer.predict) and write the outputs with each sample's dataset index to\n"
+    "RUN_DIR/predictions/rankNNNNN.pt (framework.predictions.read(RUN_DIR) gives them in the\n"
+    "dataset's order, whatever the process count).",
+}
 
 
 COMMAND_HELP = {
@@ -138,8 +171,37 @@ Draw loss, speed and memory from each run's metrics.csv (several runs: overlaid)
 }
 
 
+for _command, _limit in (("validate", "val"), ("test", "test"), ("predict", "predict")):
+    COMMAND_HELP[_command] = EVALUATION_HELP.format(
+        command=_command, what=EVALUATION_WHAT[_command], limit=_limit
+    )
+CFG_CHOICES = ("job", "all")  # Hydra's --cfg: both print the job's config here (fw config)
+
+
 def wants_help(args: list[str]) -> bool:
     return any(word in ("-h", "--help") for word in args)
+
+
+def wants_config(args: list[str]) -> tuple[bool, list[str]]:
+    """Hydra's `--cfg job|all` (`-c`): whether it was given, and the other words. `--cfg
+    hydra` is refused: fw runs no Hydra application, so there is no Hydra config to show."""
+    rest, asked, words = [], False, iter(args)
+    for word in words:
+        if word in ("--cfg", "-c") or word.startswith("--cfg="):
+            value = word.partition("=")[2] or next(words, None)
+            if value not in CFG_CHOICES:
+                raise ConfigError(
+                    "--cfg",
+                    value,
+                    "fw prints the job's config (job and all are the same: fw runs no Hydra "
+                    "application, so there is no Hydra config)",
+                    CFG_CHOICES,
+                    hint="fw config [KEY=VALUE ...] prints it too, every field documented.",
+                )
+            asked = True
+        else:
+            rest.append(word)
+    return asked, rest
 
 
 def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
@@ -160,7 +222,10 @@ def parse_args(args: list[str]) -> tuple[bool, list[Path], list[str], bool]:
             overrides.append(word[2:])  # --KEY=VALUE, as a W&B sweep agent passes `${args}`
         elif word.startswith("-") and not word.startswith("--config-dir"):
             raise ConfigError(
-                "option", word, "unknown option", ["-m", "--multirun", "--config-dir", "--help"]
+                "option",
+                word,
+                "unknown option",
+                ["-m", "--multirun", "--config-dir", "--cfg", "--help"],
             )
         else:
             overrides.append(word)
@@ -202,6 +267,44 @@ def export_command(args: list[str]) -> int:
         fmt=options["--format"] or "pt",
         max_shard_size=options["--max-shard-size"],
     )
+    return 0
+
+
+EVALUATIONS = ("validate", "test", "predict")
+
+
+def evaluation_command(
+    command: str,
+    words: list[str],
+    dirs: list[Path],
+    trust: bool,
+    show_config: bool,
+    multirun: bool,
+) -> int:
+    """`fw validate|test|predict SOURCE [KEY=VALUE ...]` (framework/evaluate.py): the metrics
+    as a table on stdout."""
+    from framework import evaluate
+
+    if multirun:
+        raise ConfigError("-m", "multirun", f"fw {command} evaluates one checkpoint")
+    sources = [w for w in words if "=" not in w and not w.startswith(("~", "+"))]
+    if len(sources) != 1:
+        raise ConfigError(
+            command,
+            " ".join(sources) or None,
+            "expects one run directory or checkpoint directory",
+            hint=f"Usage: fw {command} RUN_DIR_OR_CHECKPOINT [KEY=VALUE ...]",
+        )
+    overrides = [w for w in words if w != sources[0]]
+    if show_config:
+        from framework.help import render_config
+
+        ckpt, _, saved = evaluate.locate(sources[0])
+        cfg = evaluate.evaluation_config(saved, overrides, dirs)
+        cfg.command = command
+        sys.stdout.write(render_config(cfg))
+        return 0
+    sys.stdout.write(evaluate.evaluate(command, sources[0], overrides, dirs, trust))
     return 0
 
 
@@ -248,13 +351,21 @@ def main(argv: list[str] | None = None) -> int:
             from framework.preflight.calibrate import calibrate_command
 
             return calibrate_command(rest)
-        trust = command == "train" and "--trust" in rest
+        trust = command in ("train", *EVALUATIONS) and "--trust" in rest
+        show_config, rest = wants_config(rest)
         multirun, dirs, overrides, want_help = parse_args([w for w in rest if w != "--trust"])
+        if command in EVALUATIONS:
+            return evaluation_command(command, overrides, dirs, trust, show_config, multirun)
         if command == "train":
             if want_help:
                 from framework.help import train_help
 
                 sys.stdout.write(train_help(dirs))
+                return 0
+            if show_config:  # Hydra's --cfg job: what fw config prints
+                from framework.help import show_config as shown
+
+                sys.stdout.write(shown(overrides, dirs))
                 return 0
             from framework.runner import train
 
@@ -269,7 +380,18 @@ def main(argv: list[str] | None = None) -> int:
             "command",
             command,
             "unknown command",
-            ["train", "sweep", "prepare", "check", "plan", "calibrate", "config", "export", "plot"],
+            [
+                "train",
+                *EVALUATIONS,
+                "sweep",
+                "prepare",
+                "check",
+                "plan",
+                "calibrate",
+                "config",
+                "export",
+                "plot",
+            ],
         )
     except ConfigError as err:
         sys.stderr.write(f"error: {_shown(str(err), argv)}\n")

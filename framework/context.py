@@ -32,6 +32,7 @@ class RunContext:
     checkpoint_format: str = "lightning"  # the layout the strategy's checkpoints are written in
     secret_keys: tuple[str, ...] = ()  # extra key names whose values are secret (run.secret_keys)
     secret_values: frozenset[str] = frozenset()  # values never to write (framework.secrets)
+    command: str = "fit"  # what the job does: fit, or validate, test, predict (an evaluation)
 
     def clean(self, params: Any) -> Any:
         """Hyperparameters as they may be written to disk or a logger: secrets replaced."""

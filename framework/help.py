@@ -21,7 +21,9 @@ def train_help(extra_dirs: list[Path] | None = None) -> str:
         "usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]",
         "",
         "  -m, --multirun    one job per value of each swept key (KEY=a,b)",
-        "  --config-dir DIR  another directory of config groups, searched before the built-in ones",
+        "  --config-dir DIR  another directory of config groups, searched before the built-in",
+        "                    ones: an option of the same name replaces the built-in option",
+        "  --cfg job|all     print the composed config (what fw config prints) and stop",
         "  --trust           resume from a checkpoint whose pickles name more than data (refused",
         "                    otherwise: loading it could run code; see docs/security.md)",
         "",
@@ -41,7 +43,11 @@ def train_help(extra_dirs: list[Path] | None = None) -> str:
 
 def show_config(overrides: list[str], extra_dirs: list[Path] | None = None) -> str:
     """The composed config as YAML, each field followed by its description."""
-    cfg = compose_config(overrides, extra_dirs)
+    return render_config(compose_config(overrides, extra_dirs))
+
+
+def render_config(cfg: DictConfig) -> str:
+    """A config as YAML, each field followed by its description, secrets redacted."""
     pattern = secrets.key_pattern(cfg.run.secret_keys)
     return secrets.redact_text("\n".join(render(cfg, 0, None, pattern)) + "\n")
 

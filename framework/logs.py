@@ -123,6 +123,10 @@ def setup_logging(rank: int | None = None) -> None:
     # The data position is restored by callbacks.checkpoint through GlobalOrderSampler.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before")
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)`.*")
+    # an evaluation reads the model only; the checkpoint callback's state serves training
+    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks")
+    # said once by fw train, before launch (framework/config/commands.py)
+    warnings.filterwarnings("ignore", message=".*`val_dataloader` but have no `validation_step`")
 
 
 def quiet_lightning() -> None:

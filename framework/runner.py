@@ -75,6 +75,13 @@ def make_jobs(
     jobs: list[Job] = []
     for number, job_overrides in enumerate(sweep):
         cfg = compose_config(job_overrides, extra_dirs)
+        if cfg.command != "fit":
+            raise ConfigError(
+                "command",
+                cfg.command,
+                "is set by the command: fw train fits",
+                hint=f"Run fw {cfg.command} RUN_DIR_OR_CHECKPOINT [KEY=VALUE ...].",
+            )
         given = cfg.run.dir
         run_dir = Path(given) if given is not None else base
         group = base.name if multirun else None
@@ -167,16 +174,16 @@ def _can_create_in(directory: Path) -> bool:
     return True
 
 
-def write_config(job: Job, state: bool = True) -> Path:
-    """Create the run directory; write config.yaml (secrets redacted) and, with `state`,
-    run.json, atomically.
+def write_config(job: Job, state: bool = True, name: str = "config.yaml") -> Path:
+    """Create the run directory; write config.yaml (secrets redacted; an evaluation's config
+    under its own `name`, e.g. test.yaml) and, with `state`, run.json, atomically.
 
     run.json keeps the run id chosen at the first start, so restarts log to the same W&B run.
     """
     mode = files.dir_mode(job.cfg.run.dir_mode)
     files.make_dir(job.run_dir, mode)
     files.make_dir(job.run_dir / "checkpoints", mode)
-    path = job.run_dir / "config.yaml"
+    path = job.run_dir / name
     if state:
         write_run_state(job)
     disk.write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.create(redacted_config(job))))
@@ -228,9 +235,10 @@ def job_launcher(
     return launcher, typed_config(launcher, cfg.launcher)
 
 
-def run_job(job: Job) -> None:
+def run_job(job: Job, config_name: str = "config.yaml") -> None:
     """Hand the job to its launcher, which starts its workers (or trains here, for one process
-    or as this process's rank inside torchrun/srun)."""
+    or as this process's rank inside torchrun/srun). The workers read the job's config from
+    `config_name` in the run directory (an evaluation's: validate.yaml, test.yaml, ...)."""
     launcher, launcher_cfg = job_launcher(job.cfg, (job.plan.launcher_plugin, job.plan.launcher))
     # several machines: the first node to arrive writes, once every node has the same config;
     # inside torchrun/srun: rank 0
@@ -238,7 +246,7 @@ def run_job(job: Job) -> None:
     pass_secrets(job)
     # every process writes config.yaml: the ranks of torchrun/srun start together and each
     # reads it at once (they composed the same config, and the last atomic write wins)
-    config_path = write_config(job, state=writes)
+    config_path = write_config(job, state=writes, name=config_name)
     if writes:
         log.info("Run directory: %s", job.run_dir)
     launch = launcher.build(launcher_cfg, job.plan)

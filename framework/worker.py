@@ -45,6 +45,8 @@ TRAINER_KEYS_SKIPPED = (
     "peak_tflops",
     "scale_lr",
     "reference_batch_size",
+    "test_after_fit",
+    "use_distributed_sampler",  # from task.data_order unless set (make_trainer)
 )
 
 
@@ -157,7 +159,6 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
 
     from framework.callbacks.checkpoint.callback import STATE_FILE, Checkpointer, Preempted
     from framework.config.elastic import fit_plan
-    from framework.parallel.transforms import ModelTransforms
     from framework.runtime.elastic import callbacks as elastic_callbacks
     from framework.runtime.lr_scaling import callbacks as scaling_callbacks
     from framework.runtime.vote import vote_on_sigterm
@@ -177,17 +178,10 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     task = build_task(cfg.task)
     data = instantiate_args(cfg.task.data)
-    inputs = StrategyInputs(
-        transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
-        data_parallel=data_parallel,
-        data_order=cfg.task.data_order,
-        trust_checkpoint=cfg.run.trust_checkpoint,
-    )
-    strategy = plan.strategy_plugin.build(plan.strategy, world, inputs)
-    loggers = [
-        build_plugin("logger", n, e, ctx) for n, e in (cfg.logger or {}).items() if e is not None
-    ]
-    loggers = [lg for lg in loggers if lg is not None]  # a plugin may decline (e.g. disabled)
+    strategy = plan.strategy_plugin.build(plan.strategy, world, strategy_inputs(plan))
+    loggers = build_loggers(cfg, ctx)
+    if cfg.command != "fit":
+        return evaluate(plan, run_dir, resume_from, ctx, task, data, strategy, loggers)
     callbacks = [
         build_callback(n, e, ctx) for n, e in (cfg.callbacks or {}).items() if e is not None
     ]
@@ -215,13 +209,102 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
     trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
     if sigterm_vote is not None:
         sigterm_vote.finish()
-    close_process_group()
     checkpointer = next((c for c in callbacks if isinstance(c, Checkpointer)), None)
-    if checkpointer is not None and checkpointer.preempted_at is not None:
+    preempted = checkpointer is not None and checkpointer.preempted_at is not None
+    if cfg.trainer.test_after_fit and not preempted and not trainer.interrupted:
+        test_after_fit(plan, run_dir, trainer.global_step)
+    close_process_group()
+    if preempted:
         raise Preempted(checkpointer.preempted_at, checkpointer.preempted_by)
     if trainer.is_global_zero:
-        log.info("Run finished at step %d. Outputs in %s", trainer.global_step, run_dir)
+        from framework.config.commands import after_fit
+
+        then = after_fit(task, data, cfg.trainer.test_after_fit).replace("RUN_DIR", str(run_dir))
+        log.info("Run finished at step %d. Outputs in %s%s", trainer.global_step, run_dir, then)
     return trainer
+
+
+def strategy_inputs(plan: JobPlan, trust: bool = False) -> StrategyInputs:
+    """What the strategy plugin's `build` gets besides its config (framework/strategy_base.py)."""
+    from framework.parallel.transforms import ModelTransforms
+
+    cfg = plan.cfg
+    return StrategyInputs(
+        transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
+        data_parallel=plan.data_parallel,
+        data_order=cfg.task.data_order,
+        trust_checkpoint=trust or cfg.run.trust_checkpoint,
+    )
+
+
+def build_loggers(cfg: DictConfig, ctx: RunContext) -> list[Any]:
+    """The job's loggers: built-in plugins by `kind`, any Lightning logger by `_target_`."""
+    loggers = [build_logger(n, e, ctx) for n, e in (cfg.logger or {}).items() if e is not None]
+    return [lg for lg in loggers if lg is not None]  # a plugin may decline (e.g. disabled)
+
+
+def evaluate(
+    plan: JobPlan,
+    run_dir: Path,
+    checkpoint: Path | None,
+    ctx: RunContext,
+    task: Any,
+    data: Any,
+    strategy: Any,
+    loggers: list[Any],
+) -> Any:
+    """`fw validate|test|predict` (`cfg.command`): Lightning's Trainer.validate/test/predict
+    of the task from `checkpoint`, read by the strategy as a resume reads it (any layout,
+    this rank's slices); the metrics to RUN_DIR/<command>.csv and the loggers, predictions to
+    RUN_DIR/predictions (framework/runtime/evaluation.py). Returns the Trainer."""
+    from framework.callbacks.checkpoint.callback import STATE_FILE
+    from framework.runtime import evaluation
+
+    cfg = plan.cfg
+    callbacks = [
+        build_callback(n, e, ctx)
+        for n, e in (cfg.callbacks or {}).items()
+        if e is not None and "_target_" in e  # the built-in callbacks serve training
+    ]
+    callbacks.append(evaluation.EvaluationRecord(run_dir, checkpoint, ctx.resume_step, plan.layout))
+    if cfg.command == "predict":
+        callbacks.append(evaluation.PredictionWriter(run_dir))
+    own_order = cfg.task.data_order == "global"
+    trainer = make_trainer(
+        cfg.trainer, plan.world, strategy, loggers, callbacks, run_dir, own_order
+    )
+    ckpt_path = str(checkpoint / STATE_FILE) if checkpoint else None
+    if trainer.is_global_zero:
+        log.info("%s: %s (step %d)", cfg.command.capitalize(), checkpoint, ctx.resume_step)
+    evaluation.run(trainer, task, data, cfg.command, ckpt_path)
+    close_process_group()
+    return trainer
+
+
+def test_after_fit(plan: JobPlan, run_dir: Path, step: int) -> None:
+    """`trainer.test_after_fit`: test the run's best checkpoint (checkpoints/best, kept by
+    `callbacks.checkpoint.monitor`), else its newest, as `fw test RUN_DIR` does: a new task,
+    strategy and Trainer in these processes, the checkpoint read as any evaluation reads it."""
+    import dataclasses
+
+    import lightning.pytorch as pl
+
+    from framework.evaluate import chosen_checkpoint
+
+    chosen = chosen_checkpoint(run_dir / "checkpoints")
+    if chosen is None:
+        log.warning("trainer.test_after_fit: no checkpoint to test (callbacks.checkpoint off?)")
+        return
+    cfg = OmegaConf.create(OmegaConf.to_container(plan.cfg))
+    cfg.command = "test"
+    tested = dataclasses.replace(plan, cfg=cfg)
+    ctx = make_context(tested, run_dir, chosen)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    task = build_task(cfg.task)
+    data = instantiate_args(cfg.task.data)
+    inputs = strategy_inputs(tested, trust=True)  # written by this run
+    strategy = plan.strategy_plugin.build(plan.strategy, plan.world, inputs)
+    evaluate(tested, run_dir, chosen, ctx, task, data, strategy, build_loggers(cfg, ctx))
 
 
 def name_modules(world: World) -> None:
@@ -257,6 +340,11 @@ def make_trainer(
         from framework.runtime.hooks import QuietProfiler
 
         trainer_args["profiler"] = QuietProfiler()
+    if trainer_cfg.enable_progress_bar and not trainer_cfg.barebones:
+        from framework.runtime.progress import StepProgressBar
+
+        callbacks = [*callbacks, StepProgressBar()]  # one bar over the run's steps
+    sampler = trainer_cfg.get("use_distributed_sampler")
     return pl.Trainer(
         accelerator="cuda" if world.is_cuda else "cpu",
         devices=world.devices,
@@ -266,7 +354,7 @@ def make_trainer(
         callbacks=callbacks,
         enable_checkpointing=False,  # checkpoints come from callbacks.checkpoint
         default_root_dir=str(run_dir),
-        use_distributed_sampler=not own_order,
+        use_distributed_sampler=(not own_order) if sampler is None else sampler,
         **trainer_args,
     )
 
@@ -295,6 +383,7 @@ def make_context(plan: JobPlan, run_dir: Path, resume_from: Path | None) -> RunC
         checkpoint_format=plan.checkpoint_format,
         secret_keys=tuple(cfg.run.secret_keys),
         secret_values=frozenset(hidden),
+        command=cfg.command,
     )
 
 
@@ -335,6 +424,17 @@ def build_callback(name: str, node: DictConfig, ctx: RunContext) -> Any:
     if "_target_" in node:
         return instantiate_args(node)
     return build_plugin("callbacks", name, node, ctx)
+
+
+def build_logger(name: str, node: DictConfig, ctx: RunContext) -> Any:
+    """A logger plugin's logger (`kind`), or any Lightning logger class (`_target_`) with the
+    run's directory and id filled in where the class takes them and the entry does not say
+    (framework/loggers/targets.py)."""
+    if "_target_" in node:
+        from framework.loggers.targets import build_target
+
+        return build_target(name, node, ctx)
+    return build_plugin("logger", name, node, ctx)
 
 
 def build_plugin(family: str, name: str, node: DictConfig, ctx: RunContext) -> Any:

@@ -13,13 +13,15 @@ import logging
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config.fields import schema_error
+from framework.config.schema import TRAINER_OWNED
 from framework.config.store import register
 from framework.errors import ConfigError
 from framework.secrets import redact_words
@@ -31,9 +33,56 @@ PRIMARY = "train"
 GROUPS = ("task", "strategy", "trainer", "logger", "callbacks", "launcher", "experiment", "debug")
 
 
+PRIMARY_STORED = "fw_train"  # train.yaml, stored: the primary when --config-dir comes first
+# Hydra's own settings as a Hydra application's users write them, and the framework's key that
+# does the same (None: already what fw does, nothing to change)
+HYDRA_EQUIVALENTS = {
+    "hydra.run.dir": "run.dir",
+    "hydra.sweep.dir": "run.dir",
+    "hydra.job.name": "run.name",
+}
+HYDRA_POINTERS = {
+    "hydra.job.chdir": "The working directory never changes (workers start where fw was "
+    "started; outputs go to run.dir)",
+    "hydra.searchpath": "Give another directory of config groups with --config-dir DIR",
+    "hydra.sweep.subdir": "A multirun's jobs go to run.dir/0, run.dir/1, ...",
+    "hydra/launcher": "Choose how processes start with launcher=local|slurm|ray",
+    "hydra/sweeper": "Search hyperparameters with fw sweep (Optuna)",
+}
+
+
 def search_dirs(extra: list[Path] | None = None) -> list[Path]:
-    """Config directories: the built-in one, then the user's (which add options to groups)."""
+    """Config directories in the order an option is looked up: the user's (--config-dir), then
+    the built-in one. A user's option replaces a built-in option of the same name."""
     return [*(Path(p).resolve() for p in extra or []), CONF_DIR]
+
+
+def hydra_overrides(overrides: list[str]) -> list[str]:
+    """Overrides of Hydra's own settings (`hydra.run.dir=out/x`) as the framework's keys that do
+    the same (`run.dir=out/x`); one that has no equivalent is refused, with what fw does
+    instead. Other overrides are returned as they are."""
+    out = []
+    for override in overrides:
+        key, eq, value = override.lstrip("+~").partition("=")
+        if not key.startswith(("hydra.", "hydra/")):
+            out.append(override)
+            continue
+        if key in HYDRA_EQUIVALENTS and eq:
+            out.append(f"{HYDRA_EQUIVALENTS[key]}={value}")
+            continue
+        if key == "hydra.job.chdir" and value.strip().lower() == "false":
+            continue  # what fw does anyway
+        pointer = next((p for k, p in HYDRA_POINTERS.items() if key.startswith(k)), None)
+        raise ConfigError(
+            key,
+            value or None,
+            "fw composes its config with Hydra but runs no Hydra application, so Hydra's own "
+            "settings do nothing here",
+            hint=(f"{pointer}. " if pointer else "")
+            + "hydra.run.dir and hydra.sweep.dir are run.dir, hydra.job.name is run.name; "
+            "fw config prints every key fw has.",
+        )
+    return out
 
 
 def group_options(group: str, extra: list[Path] | None = None) -> list[str]:
@@ -95,33 +144,38 @@ def check_group_choices(overrides: list[str], extra: list[Path] | None = None) -
 
 
 def warn_shadowed(group: str, extra: list[Path] | None) -> None:
-    """A user option named like a built-in one is never used: say so instead of ignoring it."""
+    """A user option named like a built-in one replaces it: say so once, at DEBUG level ( it is
+    what --config-dir is for, as with Hydra's search path)."""
     builtin = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
     for root in extra or []:
         for p in (Path(root) / group).glob("*.yaml"):
             if p.stem in builtin:
-                log.warning(
-                    "%s is hidden by the built-in option %s=%s; give yours another name.",
-                    p,
-                    group,
-                    p.stem,
-                )
+                log.debug("%s replaces the built-in option %s=%s", p, group, p.stem)
 
 
 def compose_config(overrides: list[str], extra_dirs: list[Path] | None = None) -> DictConfig:
     """The composed (not yet resolved) config of one job, or a ConfigError."""
     register()
+    overrides = hydra_overrides(overrides)
     if any(o.is_sweep_override() for o in parse_overrides(overrides)):
         raise ConfigError(
             "override", _shown(overrides), "sweeps (a=1,2) need multirun", hint="Add -m."
         )
     check_group_choices(overrides, extra_dirs)
-    searchpath = [f"file://{p}" for p in search_dirs(extra_dirs)[:-1]]
-    hydra_overrides = [f"hydra.searchpath=[{','.join(searchpath)}]"] if searchpath else []
+    # Hydra looks an option up in its main directory first, then along hydra.searchpath: the
+    # user's first directory is the main one, so their options replace the built-in ones of the
+    # same name, and the primary config is train.yaml as stored (found whatever the main is)
+    dirs = search_dirs(extra_dirs)
+    primary = PRIMARY
+    if len(dirs) > 1:
+        primary = PRIMARY_STORED
+        ConfigStore.instance().store(name=primary, node=OmegaConf.load(CONF_DIR / "train.yaml"))
+    searchpath = [f"file://{p}" for p in dirs[1:]]
+    search = [f"hydra.searchpath=[{','.join(searchpath)}]"] if searchpath else []
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="fw"):
-            cfg = compose(PRIMARY, overrides=hydra_overrides + list(overrides))
+        with initialize_config_dir(version_base="1.3", config_dir=str(dirs[0]), job_name="fw"):
+            cfg = compose(primary, overrides=search + list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         raise translate(err, overrides) from None
     finally:
@@ -137,6 +191,16 @@ def translate(err: Exception, overrides: list[str]) -> ConfigError:
         parent = getattr(cause, "parent_node", None)
         choices = [str(k) for k in parent] if isinstance(parent, DictConfig) else None
         error = schema_error(cause, key, _given(key, overrides), choices, hint=_add_hint(key))
+        owned = (
+            TRAINER_OWNED.get(key.removeprefix("trainer.")) if key.startswith("trainer.") else None
+        )
+        if owned is not None and error.problem == "no such key":
+            return ConfigError(
+                key,
+                error.value,
+                f"this lightning.Trainer argument is the framework's: set it with {owned}",
+                near="",
+            )
         owners = _options_with(key) if error.problem == "no such key" else []
         if not owners:
             return error

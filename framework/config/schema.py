@@ -18,6 +18,16 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
 SCHEDULERS = ("constant", "cosine", "linear")
 BACKENDS = (None, "gloo", "nccl")
+COMMANDS = ("fit", "validate", "test", "predict")  # Lightning's TrainerFn names
+# lightning.Trainer arguments the framework sets itself, and where a config sets them instead
+TRAINER_OWNED = {
+    "strategy": "the strategy group (strategy=ddp|fsdp|zero3|tensor|pipeline|...)",
+    "logger": "the logger group (logger=[csv,tensorboard], +logger.NAME._target_=CLASS)",
+    "callbacks": "the callbacks group (+callbacks.NAME._target_=CLASS)",
+    "plugins": "strategy.* and trainer.precision",
+    "enable_checkpointing": "callbacks.checkpoint (~callbacks.checkpoint turns it off)",
+    "default_root_dir": "run.dir",
+}
 
 
 @dataclass
@@ -86,6 +96,13 @@ class TrainerConfig:
         "Stop after this many epochs (None: unlimited if max_steps is set, else 1; -1: unlimited).",
         min=-1,
     )
+    min_steps: int | None = doc(None, "Train at least this many optimizer steps.", min=0)
+    min_epochs: int | None = doc(None, "Train at least this many epochs.", min=0)
+    max_time: Any = doc(
+        None,
+        "Stop after this much training time: 'DD:HH:MM:SS' or {days:, hours:, minutes:, "
+        "seconds:}; the checkpoint callback saves on stopping, so the run resumes.",
+    )
     val_check_interval: Any = doc(
         None, "Validate every N training batches (int) or fraction of an epoch (float).", above=0
     )
@@ -97,6 +114,15 @@ class TrainerConfig:
     )
     limit_val_batches: Any = doc(
         None, "Validate on this many (int) or this fraction (float) of batches.", min=0
+    )
+    limit_test_batches: Any = doc(
+        None, "Test on this many (int) or this fraction (float) of batches.", min=0
+    )
+    limit_predict_batches: Any = doc(
+        None, "Predict on this many (int) or this fraction (float) of batches.", min=0
+    )
+    reload_dataloaders_every_n_epochs: int = doc(
+        0, "Ask the data module for new loaders every N epochs (0: never).", min=0
     )
     num_sanity_val_steps: int = doc(
         0, "Validation batches run before training to catch bugs early (-1: all).", min=-1
@@ -128,11 +154,30 @@ class TrainerConfig:
         "Train and validate on this many batches (int) or fraction (float) only (debugging).",
         min=0,
     )
-    fast_dev_run: int = doc(
-        0, "Run N train and val batches once, with no logging or checkpoints.", min=0
+    fast_dev_run: Any = doc(
+        False,
+        "Run N (true: 1) train and val batches once, with no loggers or checkpoints "
+        "(a smoke test).",
     )
     profiler: str | None = doc(None, "Lightning profiler.", (None, "simple", "advanced", "pytorch"))
     detect_anomaly: bool = doc(False, "Enable autograd anomaly detection (slow).")
+    inference_mode: bool = doc(True, "Evaluate under torch.inference_mode (false: torch.no_grad).")
+    use_distributed_sampler: bool | None = doc(
+        None,
+        "Lightning's DistributedSampler for the loaders (None: as task.data_order says; "
+        "true/false need task.data_order=keep).",
+    )
+    sync_batchnorm: bool = doc(False, "BatchNorm statistics synchronised over the processes.")
+    barebones: bool = doc(
+        False, "Lightning's minimal-overhead mode (no progress bar, no logging, no summary)."
+    )
+    enable_autolog_hparams: bool = doc(True, "Log the task's hyperparameters to the loggers.")
+    model_registry: str | None = doc(None, "Lightning model registry name to upload to.")
+    test_after_fit: bool = doc(
+        False,
+        "When training ends, test the best checkpoint (callbacks.checkpoint.monitor), else the "
+        "last, as `fw test RUN_DIR` does; metrics in test.csv and the loggers.",
+    )
     activation_checkpointing: str = doc(
         "none",
         "Recompute activations in backward, per block: full (keep only block inputs), selective "
@@ -205,6 +250,12 @@ class TrainConfig:
     )
     extra: dict[str, Any] = doc(
         {}, "Free-form values of your own (e.g. +extra.note=baseline), kept in config.yaml."
+    )
+    command: str = doc(
+        "fit",
+        "What the job does with the task: fit (fw train), or validate, test or predict "
+        "(set by fw validate|test|predict).",
+        COMMANDS,
     )
     resume: str = doc(
         "auto",

@@ -16,10 +16,11 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework import lr_scaling
-from framework.config import job_plan
+from framework.config import commands, job_plan
 from framework.config.batches import check_batches
 from framework.config.dry_build import dry_build
 from framework.config.fields import check_fields
+from framework.config.schema import TRAINER_OWNED
 from framework.errors import ConfigError
 from framework.plugins import JobView, capability, load_plugin, typed_config
 from framework.world import World, cuda_device_count
@@ -32,6 +33,7 @@ def plan_job(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     which the runner hands on instead of deriving anything again. `here=False` (`fw check`)
     validates it for the machines it names, not this one: `auto` means CUDA, and neither the
     devices present nor the launcher's tools here are asked for (the plan has no launcher)."""
+    check_trainer_owned(cfg.trainer)
     check_fields(cfg, "")
     launcher = load_plugin("launcher", cfg.launcher.kind, "launcher.kind")
     if here:  # this machine's devices, unless the launcher checks those its ranks run on
@@ -41,6 +43,11 @@ def plan_job(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     else:
         world = target_world(cfg)
     check_task(cfg.task)
+    check_trainer(cfg)
+    if cfg.get("command", "fit") != "fit":
+        commands.check_command(cfg.command, cfg.task)
+    elif cfg.trainer.get("test_after_fit"):
+        commands.check_test_after_fit(cfg.task)
     lr_scaling.check(cfg.trainer)
     model, data = dry_build(cfg.task)
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
@@ -59,6 +66,65 @@ def plan_job(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
         for name, entry in (cfg.get(family) or {}).items():
             check_named_entry(family, name, entry, world)
     return plan
+
+
+MAX_TIME_UNITS = ("days", "hours", "minutes", "seconds", "milliseconds", "microseconds", "weeks")
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """The lightning.Trainer arguments whose type the schema leaves open (`Any`) hold what
+    Lightning takes; the ones the framework sets itself are refused with where to set them."""
+    trainer = cfg.trainer
+    fast = trainer.fast_dev_run
+    if not (isinstance(fast, bool) or (isinstance(fast, int) and fast >= 0)):
+        raise ConfigError("trainer.fast_dev_run", fast, "expected true, false or a number >= 0")
+    check_max_time(trainer.max_time)
+    if trainer.use_distributed_sampler is not None and cfg.task.data_order == "global":
+        raise ConfigError(
+            "trainer.use_distributed_sampler",
+            trainer.use_distributed_sampler,
+            "task.data_order=global gives the loaders one seeded order over the processes "
+            "itself, in place of Lightning's DistributedSampler",
+            hint="Add task.data_order=keep to leave the loaders (and this setting) to Lightning.",
+        )
+
+
+def check_trainer_owned(trainer: DictConfig) -> None:
+    """A lightning.Trainer argument the framework sets itself, added to `trainer` with +KEY,
+    is refused with where to set it instead."""
+    for key in trainer:
+        if key in TRAINER_OWNED:
+            raise ConfigError(
+                f"trainer.{key}",
+                trainer[key],
+                f"this lightning.Trainer argument is the framework's: set it with "
+                f"{TRAINER_OWNED[key]}",
+            )
+
+
+def check_max_time(value: Any) -> None:
+    """`trainer.max_time` as Lightning's Timer reads it: 'DD:HH:MM:SS' or a dict of timedelta
+    units."""
+    if value is None:
+        return
+    if isinstance(value, DictConfig):
+        unknown = [k for k in value if k not in MAX_TIME_UNITS]
+        numbers = all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
+        )
+        if not unknown and numbers and value:
+            return
+    elif isinstance(value, str):
+        parts = value.split(":")
+        if len(parts) == 4 and all(p.isdigit() for p in parts):
+            return
+    raise ConfigError(
+        "trainer.max_time",
+        value,
+        "expected 'DD:HH:MM:SS' or {days:, hours:, minutes:, seconds:}",
+        hint="E.g. trainer.max_time=00:11:50:00 (11 h 50 min) or "
+        "'trainer.max_time={hours: 11, minutes: 50}'.",
+    )
 
 
 def check_foreground_saves(cfg: DictConfig, ckpt_format: str) -> None:
@@ -143,6 +209,11 @@ def check_named_entry(family: str, name: str, entry: Any, world: World) -> None:
             key, entry, "an entry needs `kind` (a built-in plugin) or `_target_` (a class)"
         )
     if "_target_" in entry:
+        if family == "logger":
+            from framework.loggers import targets
+
+            targets.check(key, entry)
+            return
         import_target(f"{key}._target_", entry._target_)
         return
     plugin = load_plugin(family, entry.kind, f"{key}.kind")

@@ -68,6 +68,9 @@ def in_global_order(loader: Any, rank: int, size: int, warned: set[str]) -> Any:
         and sampler._num_samples is None
         and sampler.generator is None
     )
+    indexed = type(loader.batch_sampler).__name__ == "_IndexBatchSamplerWrapper"
+    if plain and indexed:  # Lightning's predict loop records each batch's dataset indices
+        return in_global_order_indexed(loader, rank, size)
     if (
         plain
         and loader.batch_sampler is not None
@@ -90,6 +93,22 @@ def in_global_order(loader: Any, rank: int, size: int, warned: set[str]) -> Any:
 
         wrapped = DistributedSamplerWrapper(sampler, num_replicas=size, rank=rank, shuffle=False)
         return _replace_sampler(loader, wrapped)
+    return loader
+
+
+def in_global_order_indexed(loader: DataLoader, rank: int, size: int) -> DataLoader:
+    """A prediction loader (Lightning wraps its batch sampler to record the indices of every
+    batch): the wrapped batch sampler draws from this rank's share of the dataset, in order,
+    every rank as many batches (the last samples repeated: every rank of a sharded model must
+    run each forward)."""
+    from torch.utils.data import BatchSampler
+
+    wrapper = loader.batch_sampler
+    inner = wrapper._batch_sampler
+    order = GlobalOrderSampler(
+        len(loader.dataset), shuffle=False, drop_last=False, num_replicas=size, rank=rank
+    )
+    wrapper._batch_sampler = BatchSampler(order, inner.batch_size, drop_last=False)
     return loader
 
 

@@ -1,4 +1,4 @@
 """Logger plugins: one package per plugin, its light config half in `__init__.py` and its
 Lightning logger in `logger.py`. `KINDS` lists them."""
 
-KINDS = ("csv", "wandb")
+KINDS = ("csv", "wandb", "tensorboard", "mlflow")

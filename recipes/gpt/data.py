@@ -91,6 +91,34 @@ class Shifted(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+def check_corpus_size(prefix: str, args: dict) -> None:
+    """The corpus read into memory (`path`, or the standard library's sources) holds at least
+    one block for training and one for validation: the bytes it reads are known before launch
+    (the file's size, or max_bytes of the standard library, which is far larger)."""
+    block = int(args.get("block_size", 128))
+    limit = int(args.get("max_bytes", 4_000_000))
+    path = args.get("path")
+    size = min(Path(path).stat().st_size, limit) if path else limit
+    split = int(size * (1 - float(args.get("val_fraction", 0.05))))
+    if (split - 1) // block >= 1 and (size - split - 1) // block >= 1:
+        return
+    need = int((block + 1) / min(float(args.get("val_fraction", 0.05)), 0.5)) + block + 2
+    key, value = (
+        (f"{prefix}.path", path) if path and size < limit else (f"{prefix}.max_bytes", limit)
+    )
+    raise ConfigError(
+        key,
+        value,
+        f"{size} bytes of text do not fill one block of {block + 1} bytes for training and one "
+        "for validation",
+        hint=f"Give at least about {need} bytes (task.data.max_bytes), or a smaller "
+        "task.model.block_size.",
+    )
+
+
+PROMPTS = ("def main(", "class ", "import ")  # what `fw predict` continues by default
+
+
 class TextDataModule(pl.LightningDataModule):
     """Byte-level language-modelling data from a text file (or the stdlib sources by default)."""
 
@@ -105,8 +133,10 @@ class TextDataModule(pl.LightningDataModule):
         prepared: str | None = None,
         source: str | None = None,
         chunk_bytes: int = 16_000_000,
+        prompts: list[str] | None = None,
     ) -> None:
         super().__init__()
+        self.prompts = list(prompts) if prompts is not None else list(PROMPTS)
         self.path = path
         self.prepared = prepared
         self.source = source
@@ -134,6 +164,8 @@ class TextDataModule(pl.LightningDataModule):
             raise ConfigError(
                 f"{prefix}.val_fraction", args["val_fraction"], "must be between 0 and 1"
             )
+        if args.get("prepared") is None:
+            check_corpus_size(prefix, args)
         if args.get("prepared") is not None and args.get("path") is not None:
             raise ConfigError(
                 f"{prefix}.path",
@@ -185,6 +217,8 @@ class TextDataModule(pl.LightningDataModule):
         )
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "predict":
+            return  # the prompts are all it reads
         if self.prepared is not None:
             self.check_ready()
             blocks = TokenBlocks(self.prepared, self.block_size + 1)
@@ -218,3 +252,13 @@ class TextDataModule(pl.LightningDataModule):
         return make_loader(
             self.val_set, self.batch_size, shuffle=False, num_workers=self.num_workers
         )
+
+    def test_dataloader(self):
+        """The held-out end of the corpus (the validation split)."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self):
+        """The prompts `fw predict` continues, one per batch (they differ in length)."""
+        from torch.utils.data import DataLoader
+
+        return DataLoader(self.prompts, batch_size=1, shuffle=False, collate_fn=list)

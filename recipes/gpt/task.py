@@ -1,4 +1,5 @@
-"""Train a byte-level GPT; at the end, write a sampled continuation to <run dir>/sample.txt."""
+"""Train a byte-level GPT; at the end, write a sampled continuation to <run dir>/sample.txt
+(`fw predict RUN_DIR` samples a continuation of each of the data module's prompts)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,14 @@ class GPTTask(TaskModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test/loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        """`fw predict`: a sampled continuation of each prompt of the batch (the data module's
+        `prompts`), sample_length bytes, the same seed for each."""
+        return [self.sample(prompt, self.hparams.sample_length) for prompt in batch]
 
     def sample(self, prompt: str, length: int, seed: int = 0) -> str:
         was_training = self.training

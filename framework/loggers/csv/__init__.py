@@ -31,6 +31,8 @@ def metrics_file(cfg: Config) -> str:
 
 
 def build(cfg: Config, ctx):
+    if ctx.command != "fit":
+        return None  # metrics.csv holds training's rows; an evaluation writes <command>.csv
     from framework.loggers.csv.logger import StepCSVLogger
 
     return StepCSVLogger(
