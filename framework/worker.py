@@ -143,7 +143,7 @@ def become_child(started: str) -> None:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     die_with_parent()
-    from framework.launch.signed import sign_worker_store
+    from framework.stores import sign_worker_store
 
     sign_worker_store()  # the process group's store: signed with the job's key
     if started == "spawn" and os.getcwd() not in sys.path:

@@ -7,7 +7,7 @@ value and write any. So, for every job of launcher=local (and launcher=slurm's e
   machines on the address of `launcher.rdzv_endpoint` (the rendezvous store) and of the first
   node (the workers' store), not on every interface (`bound_store`).
 - What is trusted from them: every value the nodes, their agents and their workers exchange is
-  signed with the job's token and checked before it is used (framework/launch/signed.py); one
+  signed with the job's token and checked before it is used (framework/stores.py); one
   that is not is refused before anything reads it (exit code 2). torch elastic's rendezvous
   state, a pickle in torch's own backend, is signed JSON here: nothing read from a store is
   ever unpickled. Every node has `trainer.devices` workers, so the agents compute the ranks
@@ -33,16 +33,10 @@ import os
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 
 from framework.errors import ConfigError
-from framework.launch.signed import (
-    config_macs,
-    derive,
-    keep,
-    macs_difference,
-    signed_backend,
-    signed_store,
-)
+from framework.stores import derive, keep, signed_backend, signed_store
 
 BACKEND = "fw-bound"  # torch's dynamic rendezvous: signed state, stores bound to one address
 DIRECT = "fw-direct"  # one machine, one agent: the store this process holds, no meeting
@@ -119,6 +113,42 @@ def _token_of(run_id: str) -> str:
     if not token:  # never a rendezvous without signatures
         raise RuntimeError(f"no token for the rendezvous {run_id!r} (rendezvous.use_token)")
     return token
+
+
+# --- the configs the nodes compare, as MACs
+
+
+def config_macs(token: str, prefix: str, config: dict) -> dict[str, str]:
+    """{MAC of a key's path: MAC of the path and its value} for every leaf of a config: two
+    nodes holding the token can tell which key differs; whoever reads the store learns nothing
+    (not even the key names)."""
+    from framework.context import flatten
+
+    key = derive(token, f"config/{prefix}")
+
+    def mac(*parts: str) -> str:
+        return hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).hexdigest()
+
+    return {
+        mac("path", path): mac("value", path, json.dumps(value, sort_keys=True, default=str))
+        for path, value in flatten(config).items()
+    }
+
+
+def macs_difference(token: str, prefix: str, mine: dict, theirs: dict) -> tuple[str, Any] | None:
+    """The first key (of this node's config `mine`) whose value another node's MACs do not
+    match, with this node's value; ('config', None) for a key only the other node has."""
+    from framework.context import flatten
+
+    own = config_macs(token, prefix, mine)
+    for (path, value), (path_mac, value_mac) in zip(
+        flatten(mine).items(), own.items(), strict=True
+    ):
+        if theirs.get(path_mac) != value_mac:
+            return path, value
+    if set(theirs) - set(own):
+        return "config", None
+    return None
 
 
 # --- torch elastic's rendezvous handlers

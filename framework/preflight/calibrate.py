@@ -82,7 +82,7 @@ def run_measuring_processes(n: int, target: Path) -> str | None:
     """`n` measuring processes, started as launcher=local starts a job's workers on one machine
     (framework/launchers/local): fresh interpreters (`python -P`: the working directory's files
     shadow no module), a store on 127.0.0.1 whose values are signed with a token of this run
-    (framework/launch/signed.py). None when they finished, else what failed."""
+    (framework/stores.py). None when they finished, else what failed."""
     from framework.launchers import local
     from framework.processes import python
     from framework.world import World
@@ -229,8 +229,8 @@ def measure(out: str) -> None:
     import torch.distributed as dist
 
     from framework import allocator
-    from framework.launch.signed import sign_worker_store
     from framework.preflight.hardware import write_calibration
+    from framework.stores import sign_worker_store
 
     n = int(os.environ["WORLD_SIZE"])
     allocator.configure(allocator.mode_for("auto", on_cuda=False))  # as a CPU job's workers

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "framework.processes",
             "framework.rng",
             "framework.secrets",
+            "framework.stores",
             "framework.watchdog",
             "framework.world",
         ),

@@ -1,5 +1,5 @@
 """What the nodes, agents and workers of a job read from a store is signed with the job's token
-(framework/launch/signed.py): torch elastic's rendezvous state (a pickle in torch's own
+(framework/stores.py): torch elastic's rendezvous state (a pickle in torch's own
 backend, unpickled on every node) is signed JSON here, refused before it is parsed when it is
 not signed, and never unpickled from the store; MASTER_ADDR and the workers' process-group keys
 are refused without their MAC; the nodes compare their configs as MACs a stranger cannot read.
@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
+from framework import stores as signed
 from framework.errors import ConfigError
-from framework.launch import rendezvous, signed
+from framework.launch import rendezvous
 
 TOKEN = "job-token-5b1e"
 
@@ -128,14 +129,14 @@ def test_the_workers_process_group_store_is_signed(monkeypatch):
 
 def test_the_nodes_compare_configs_as_macs():
     mine = {"task": {"lr": 0.1, "layers": [1, 2]}, "run": {"dir": "/shared/run"}}
-    macs = signed.config_macs(TOKEN, "fw-join/fw/1", mine)
+    macs = rendezvous.config_macs(TOKEN, "fw-join/fw/1", mine)
     text = json.dumps(macs)
     assert "lr" not in text and "0.1" not in text and "/shared/run" not in text
     rendezvous.check_same(TOKEN, "fw-join/fw/1", mine, macs)
-    theirs = signed.config_macs(TOKEN, "fw-join/fw/1", {**mine, "task": {"lr": 0.2}})
+    theirs = rendezvous.config_macs(TOKEN, "fw-join/fw/1", {**mine, "task": {"lr": 0.2}})
     with pytest.raises(ConfigError, match=r"task.lr=0.1: the nodes of one job composed"):
         rendezvous.check_same(TOKEN, "fw-join/fw/1", mine, theirs)
-    guessed = signed.config_macs("a-guess", "fw-join/fw/1", mine)
+    guessed = rendezvous.config_macs("a-guess", "fw-join/fw/1", mine)
     with pytest.raises(ConfigError):
         rendezvous.check_same(TOKEN, "fw-join/fw/1", mine, guessed)
 

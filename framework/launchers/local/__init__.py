@@ -26,10 +26,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from framework import stores
 from framework.checkpoint import disk
 from framework.config.fields import doc
 from framework.errors import EXIT_PREEMPTED, EXIT_TERMINATED, ConfigError
-from framework.launch import rendezvous, signed
+from framework.launch import rendezvous
 from framework.launch.outcomes import WorkersPreempted, describe_failures, preempted_message
 from framework.launch.preload import Preload
 from framework.launch.restarts import WorkerFailure, after, record_restart, with_restarts
@@ -260,7 +261,7 @@ def run_elastic(
         try:
             fewest = generations.expected(generation) or fewest
         except Exception as err:
-            if signed.REFUSED in str(err):
+            if stores.REFUSED in str(err):
                 raise forged(cfg.rdzv_endpoint, str(err)) from None
             raise
         generations.count("members", generation, add=1)
@@ -355,7 +356,7 @@ def start_workers(
     def refused(failure: str) -> None:
         """ConfigError when this node refused a store value (a worker, its process group's; the
         agent, the rendezvous store's) or another node of the job did."""
-        if signed.REFUSED in failure:
+        if stores.REFUSED in failure:
             if several:
                 rendezvous.after_refusal(endpoint, run_id, token, failure, several)
             raise forged(endpoint, failure) from None
@@ -365,7 +366,7 @@ def start_workers(
 
     # the workers sign their process group's store with a key derived from it (forked workers
     # inherit this environment, spawned ones get it from the agent)
-    os.environ[signed.STORE_KEY_ENV] = signed.store_key(token)
+    os.environ[stores.STORE_KEY_ENV] = stores.store_key(token)
     # every node has trainer.devices workers: the agents compute the ranks, not read them
     os.environ[rendezvous.IDENTICAL_ENV] = "1"
     # gloo listens where the host name resolves (a node's network address, often): the workers

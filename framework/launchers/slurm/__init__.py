@@ -179,7 +179,7 @@ def job_token(needed: bool):
     for an elastic job, the token its node agents share at the rendezvous (FW_RDZV_TOKEN if
     set, else a new random one)."""
     from framework.launch import rendezvous
-    from framework.launch.signed import STORE_KEY_ENV
+    from framework.stores import STORE_KEY_ENV
 
     added = {STORE_KEY_ENV: secrets.token_hex(32)}
     if needed and not os.environ.get(rendezvous.TOKEN_ENV):
@@ -238,7 +238,7 @@ class Task:
         if self.min_nodes is not None:
             return self.run_node(resume, requeued)
         check_world(self.world)
-        from framework.launch.signed import sign_worker_store
+        from framework.stores import sign_worker_store
 
         sign_worker_store()  # the tasks' process-group store: signed with the job's key
         stopped = []

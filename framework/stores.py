@@ -11,10 +11,10 @@ holds REFUSED) before anything parses it:
   are pickled in this process from the checked state, never read from the store;
 - the agents' keys (MASTER_ADDR/PORT) and the workers' process-group keys (the addresses gloo
   and NCCL connect to) go through `signed_store` (`sign_worker_store` in each worker);
-- the configs the nodes compare are exchanged as MACs (`config_macs`), never as text.
+- (framework/launch/rendezvous.py) the configs the nodes compare are exchanged as MACs, never as
+  text.
 
-Used by framework/launch/rendezvous.py, which says where the stores listen and who holds the
-token.
+framework/launch/rendezvous.py says where the stores listen and who holds the token.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import os
 import pickle
 from datetime import datetime
-from typing import Any
 
 REFUSED = "not signed with this job's token"  # in every refusal (the launcher looks for it)
 STORE_KEY_ENV = "FW_STORE_KEY"  # the workers' key for their process group's store (derived)
@@ -313,39 +312,3 @@ def sign_worker_store() -> None:
 
     signed.fw_signed = True  # type: ignore[attr-defined]
     handlers["env"] = signed
-
-
-# --- the configs the nodes compare, as MACs
-
-
-def config_macs(token: str, prefix: str, config: dict) -> dict[str, str]:
-    """{MAC of a key's path: MAC of the path and its value} for every leaf of a config: two
-    nodes holding the token can tell which key differs; whoever reads the store learns nothing
-    (not even the key names)."""
-    from framework.context import flatten
-
-    key = derive(token, f"config/{prefix}")
-
-    def mac(*parts: str) -> str:
-        return hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).hexdigest()
-
-    return {
-        mac("path", path): mac("value", path, json.dumps(value, sort_keys=True, default=str))
-        for path, value in flatten(config).items()
-    }
-
-
-def macs_difference(token: str, prefix: str, mine: dict, theirs: dict) -> tuple[str, Any] | None:
-    """The first key (of this node's config `mine`) whose value another node's MACs do not
-    match, with this node's value; ('config', None) for a key only the other node has."""
-    from framework.context import flatten
-
-    own = config_macs(token, prefix, mine)
-    for (path, value), (path_mac, value_mac) in zip(
-        flatten(mine).items(), own.items(), strict=True
-    ):
-        if theirs.get(path_mac) != value_mac:
-            return path, value
-    if set(theirs) - set(own):
-        return "config", None
-    return None
