@@ -66,8 +66,9 @@ class TaskConfig:
         {}, "`_target_` (a LightningDataModule class) and its keyword arguments."
     )
     optimizer: dict[str, Any] = doc(
-        {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.01},
-        "`_target_` (an optimizer class) and its keyword arguments; used by TaskModule tasks.",
+        {"_target_": "torch.optim.AdamW", "lr": 1e-3},
+        "`_target_` (an optimizer class) and its keyword arguments, no others (a class "
+        "named without arguments gets its own defaults); used by TaskModule tasks.",
     )
     scheduler: SchedulerConfig = doc(
         SchedulerConfig(), "Learning-rate schedule (TaskModule tasks)."

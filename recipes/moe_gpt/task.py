@@ -56,6 +56,15 @@ class MoEGPTTask(GPTTask):
         experts = args.get("num_experts", 8)
         if experts < 1:
             raise ConfigError(f"{prefix}.num_experts", experts, "must be at least 1")
+        factor = args.get("capacity_factor")
+        if factor is not None and not factor > 0:
+            raise ConfigError(
+                f"{prefix}.capacity_factor",
+                factor,
+                "must be greater than 0: each expert takes capacity_factor x its even share of "
+                "the tokens, so 0 drops every token",
+                hint="1.0 to 1.25 is usual; null takes every token (no limit).",
+            )
         top_k = args.get("top_k", 2)
         if not 1 <= top_k <= experts:
             raise ConfigError(

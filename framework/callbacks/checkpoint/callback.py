@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -66,6 +67,7 @@ class Checkpointer(pl.Callback):
         self.uploaders: list[Any] | None = None  # the loggers that upload checkpoints
         self.best_value: float | None = None  # of callbacks.checkpoint.monitor, so far
         self.best_read = False  # the earlier checkpoints' values were read
+        self.monitor_checked = False  # `monitor` was found among the logged metrics
         skip_unused(self)  # Lightning passes by the per-step hooks it does not override
 
     @property
@@ -170,6 +172,8 @@ class Checkpointer(pl.Callback):
         rng.restore(self._rng_before_validation)
         if trainer.sanity_checking:
             return
+        if not self.monitor_checked:
+            self.check_monitor(trainer)
         if self.pending is not None and self.pending["step"] == trainer.global_step:
             self.finish_pending(trainer)  # this step's checkpoint is committed, then updated
         if trainer.global_step == self.last_saved and trainer.is_global_zero:
@@ -202,8 +206,42 @@ class Checkpointer(pl.Callback):
         for logger in self.uploaders or []:  # a checkpoint being uploaded is copied first
             logger.wait_staged()
         disk.prune(self.ckpt_dir, cfg.keep_last, cfg.keep_best, cfg.monitor, cfg.mode)
+        self._point_best()
+
+    def _point_best(self) -> None:
+        """Atomically point `checkpoints/best` (beside `last`) at the best checkpoint by
+        `monitor`: what `fw test RUN_DIR` and `trainer.test_after_fit` read."""
+        if not self.cfg.monitor:
+            return
+        best = disk.best(self.ckpt_dir, self.cfg.monitor, self.cfg.mode)
+        if best is None:
+            return
+        tmp = self.ckpt_dir / ".best.tmp"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(best.name)
+        os.replace(tmp, self.ckpt_dir / "best")
+
+    def check_monitor(self, trainer: pl.Trainer) -> None:
+        """At the first validation: `monitor` names a metric the task logs, or the run stops
+        here with the ones it does log (a misspelt name would otherwise rank nothing)."""
+        self.monitor_checked = True
+        logged = sorted(trainer.callback_metrics)
+        if self.cfg.monitor is None or self.cfg.monitor in logged:
+            return
+        from framework.errors import ConfigError
+
+        raise ConfigError(
+            "callbacks.checkpoint.monitor",
+            self.cfg.monitor,
+            "no part of the task logs this metric (checked at the first validation)",
+            logged,
+            near=self.cfg.monitor,
+        )
 
     def save(self, trainer: pl.Trainer) -> None:
+        if trainer.fast_dev_run:  # a smoke test leaves no checkpoint, as Lightning's own
+            return
         started = time.perf_counter()
         with watchdog.busy():  # however long the save takes, it is not a hang
             self.finish_pending(trainer)  # at most one background write in flight
@@ -310,7 +348,9 @@ class Checkpointer(pl.Callback):
             "state": STATE_FILE,
             "parameter_names": self.names_recorded,
             # what each model family's export needs, as data (framework/parallel/model.py)
-            "models": adapter_for(trainer.lightning_module).export_records(trainer.lightning_module),
+            "models": adapter_for(trainer.lightning_module).export_records(
+                trainer.lightning_module
+            ),
             # training's wait until the state was written (with async_save: copied, plus any
             # earlier write still in flight); the digests and rename of the commit come after
             "stall_s": self.stall,

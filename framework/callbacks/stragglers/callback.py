@@ -86,9 +86,14 @@ class Stragglers(pl.Callback):
             [a + b for a, b in zip(self.totals, every, strict=True)] if self.totals else every
         )
         self.windows += 1
-        if ratio > self.cfg.threshold:
+        # the first window holds the start (compilation, caches, loader workers): not judged
+        if ratio > self.cfg.threshold and self.windows > 1:
             self.flagged[slowest] = self.flagged.get(slowest, 0) + 1
-            if trainer.is_global_zero:
+            if (
+                trainer.is_global_zero
+                and len(self.flagged) == 1
+                and sum(self.flagged.values()) == 1
+            ):
                 log.warning(
                     "Straggler at step %d: rank %d takes %.3f s per batch (data wait + own compute), "
                     "%.1fx the median %.3f s",

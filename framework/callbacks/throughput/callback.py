@@ -34,6 +34,7 @@ class Throughput(pl.Callback):
         self.peak: float | None = None
         self.last_step = 0  # trainer.global_step at the last batch's end
         self.warned = False
+        self.windows_closed = 0  # the first is not judged (the loader starts up in it)
         self.figures: dict[str, float] | None = None  # the last closed window's, not yet logged
         skip_unused(self)
 
@@ -112,7 +113,9 @@ class Throughput(pl.Callback):
                 figures["perf/mfu"] = tflops / self.peak
         if self.batches > 1:
             figures["perf/data_wait_ms"] = 1000 * self.waited / (self.batches - 1)
-            self.warn_waiting(trainer, self.waited / seconds)
+            self.windows_closed += 1
+            if self.windows_closed > 1:  # the first window holds the loader's start-up
+                self.warn_waiting(trainer, self.waited / seconds)
         peak, reserved = peak_memory(trainer.strategy.root_device)
         figures["perf/memory_peak_gib"] = peak
         if reserved is not None:
@@ -123,7 +126,7 @@ class Throughput(pl.Callback):
 
     def warn_waiting(self, trainer, share: float) -> None:
         limit = self.cfg.warn_data_wait
-        if self.warned or not limit or share <= limit:
+        if self.warned or not limit or share <= limit or not trainer.is_global_zero:
             return
         self.warned = True
         loader = trainer.train_dataloader

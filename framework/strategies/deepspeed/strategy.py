@@ -105,6 +105,25 @@ class ZeroStrategy(StrategyBase, DeepSpeedStrategy):
         )
         return engine, ds_optimizer
 
+    def _initialize_deepspeed_inference(self, model) -> None:
+        """validate/test/predict (no optimizer): Lightning's engine for evaluation, given the
+        local rank as `device_rank` on the CPU (Lightning passes the CUDA index, None there)."""
+        if not self.on_cpu:
+            return super()._initialize_deepspeed_inference(model)
+        import deepspeed
+
+        initialize = deepspeed.initialize
+
+        def with_local_rank(*args, **kwargs):
+            kwargs["args"] = argparse.Namespace(device_rank=self.local_rank)
+            return initialize(*args, **kwargs)
+
+        deepspeed.initialize = with_local_rank  # for Lightning's one call, then put back
+        try:
+            super()._initialize_deepspeed_inference(model)
+        finally:
+            deepspeed.initialize = initialize
+
 
 def announce_first_build() -> None:
     """Say so before DeepSpeed spends a silent minute compiling its C++ ops the first time."""

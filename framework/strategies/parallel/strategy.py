@@ -218,10 +218,22 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
             with self.loss_context(), context.running(self.context):
                 args = self.sequence_chunks(args)
                 return plain(super().validation_step(*args, **kwargs))
+        return self.pipeline_evaluation(args, "val/loss")
+
+    def test_step(self, *args, **kwargs):
+        if self.pipeline is None:
+            with self.loss_context(), context.running(self.context):
+                args = self.sequence_chunks(args)
+                return plain(super().test_step(*args, **kwargs))
+        return self.pipeline_evaluation(args, "test/loss")
+
+    def pipeline_evaluation(self, args: tuple, name: str):
+        """Under a pipeline the task's own step cannot run (no process holds the whole model):
+        each stage runs the whole batch in turn and the task's `loss` is logged as `name`."""
         with context.running(self.context):
             batch = self.sequence_chunks(args)[0]
             loss = self.pipeline.validation_step(batch, self.precision_plugin.val_step_context)
-        self.lightning_module.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
