@@ -133,6 +133,11 @@ def world_sizes(run: Path) -> list[tuple[int, int]]:
     [
         (["launcher.min_nodes=3"], "launcher.min_nodes=3: more than trainer.num_nodes=2"),
         (["launcher.min_nodes=0"], "launcher.min_nodes"),
+        # a shrink restarts the nodes left: none allowed ends the job at the first loss
+        (
+            ["launcher.min_nodes=1", "launcher.max_restarts=0"],
+            "launcher.max_restarts=0: launcher.min_nodes=1 goes on after losing a node",
+        ),
         # three nodes x 33 = 99 samples a step: two nodes cannot split them evenly
         (
             ["trainer.num_nodes=3", "launcher.min_nodes=2", "task.data.batch_size=33"],
@@ -150,6 +155,7 @@ def test_a_bad_elastic_setting_is_refused_before_anything_starts(
         "trainer.devices=1",
         f"launcher.rdzv_endpoint=localhost:{free_port()}",
         "launcher.join_timeout_s=5",  # a check that let it through would wait for node 2
+        "launcher.max_restarts=3",
     ]
     err = refused([*common, *args, *QUIET], workdir, monkeypatch, capsys)
     assert message in err, err

@@ -153,6 +153,15 @@ def validate(cfg: Config, world: World) -> None:
             f"more than trainer.num_nodes={world.num_nodes}",
             hint=f"Use 1 to {world.num_nodes} (null: {world.num_nodes}).",
         )
+    if elastic(cfg, world) and cfg.max_restarts < 1:
+        raise ConfigError(
+            "launcher.max_restarts",
+            cfg.max_restarts,
+            f"launcher.min_nodes={cfg.min_nodes} goes on after losing a node by starting the "
+            "others again, which counts as a restart: with none allowed the job ends at the "
+            "first loss",
+            hint="Allow as many as the losses to ride out, e.g. launcher.max_restarts=3.",
+        )
     if world.num_nodes > 1 and not rendezvous.job_token(cfg.rdzv_token):
         raise ConfigError(
             "launcher.rdzv_token",
