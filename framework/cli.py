@@ -87,6 +87,7 @@ usage: fw config [--config-dir DIR] [KEY=VALUE ...]
 Print the config `fw train` would run with these overrides, every field with its documentation.
 Nothing is started and nothing is written.
   --config-dir DIR   another directory of config groups, searched before the built-in ones
+                     (an option of the same name replaces the built-in one)
 """,
     "check": """\
 usage: fw check [--gpu-mem SIZE|GPU] [--ranks R,..] [--config-dir DIR] [KEY=VALUE ...]

@@ -79,6 +79,18 @@ class HFTextDataModule(TextDataModule):
             return None
         return TokenizerEncoder(str(tokenizer_file(self.tokenizer_name)))
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (its UTF-8 bytes with the byte-level vocabulary)."""
+        encoder = self.encoder
+        return list(text.encode()) if encoder is None else encoder.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer_name == BYTES:
+            return bytes(ids).decode("utf-8", errors="replace")
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(self.encoder.path).decode(ids)
+
     @property
     def vocab_size(self) -> int:
         if self.encoder is None:

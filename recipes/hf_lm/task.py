@@ -128,3 +128,27 @@ class HFCausalLM(TaskModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test/loss", self._loss(batch), sync_dist=True)
+
+    @torch.no_grad()
+    def predict_step(self, batch, batch_idx):
+        """`fw predict`: a sampled continuation (64 tokens, temperature 0.8, top 50, the same
+        seed for each) of each prompt of the batch (the data module's `prompts`), encoded and
+        decoded with its tokenizer. Every rank runs every forward (sharded models gather)."""
+        from framework.nn import full_tensor
+
+        data = self.trainer.datamodule
+        out = []
+        for prompt in batch:
+            idx = torch.tensor([data.encode(prompt)], dtype=torch.long, device=self.device)
+            gen = torch.Generator(device=self.device).manual_seed(0)
+            for _ in range(64):
+                logits = full_tensor(self(idx))[:, -1, :] / 0.8
+                kth = torch.topk(logits, min(50, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+                idx = torch.cat([idx, nxt], dim=1)
+            out.append(data.decode(idx[0].tolist()))
+        return out
