@@ -63,11 +63,17 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.train_progress_bar is not None and not self.train_progress_bar.disable:
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+            metrics = self.get_metrics(trainer, pl_module)
+            self.train_progress_bar.set_postfix(metrics, refresh=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         bar = self.train_progress_bar
         if bar is not None:
             bar.n = trainer.global_step
-            bar.refresh()
-            bar.close()
+            bar.close()  # drawn once more, as it ends
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+        """The task's progress-bar metrics, without the logger's version (`v_num`)."""
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
