@@ -78,8 +78,15 @@ class StrategyBase:
 
     def restore(self, source: Source) -> None:
         """Read this rank's part of the model (and of the optimizers, once they exist) from
-        `source`, and close it when done (framework/checkpoint/load.py)."""
+        `source`, and close it when done (framework/checkpoint/load.py), in phases measured
+        with `framework.checkpoint.load.measured(source, *self.report_to(), phase)`."""
         raise NotImplementedError(f"{type(self).__name__} cannot read a checkpoint")
+
+    def report_to(self) -> tuple[Any, int]:
+        """(run directory, rank) where the reading of a checkpoint is reported."""
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        run_dir = trainer.default_root_dir if trainer is not None else None
+        return run_dir, self.global_rank  # type: ignore[attr-defined]
 
     def save_async(self, trainer: Any, filepath: Path) -> Future | None:
         """Write the checkpoint of `trainer` at `filepath` in the background: returns once the
@@ -160,22 +167,25 @@ class Replicated(StrategyBase):
         super().setup(trainer)  # type: ignore[misc]
 
     def restore(self, source: Source) -> None:
-        from framework.checkpoint.load import load_model
+        from framework.checkpoint.load import load_model, measured
 
-        load_model(self.lightning_module, source)  # type: ignore[attr-defined]
+        with measured(source, *self.report_to(), "model") as figures:
+            figures["held"] = load_model(self.lightning_module, source)  # type: ignore[attr-defined]
         self.__dict__["_source"] = source  # the optimizers exist once the strategy is set up
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing: `restore` has read the model."""
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        from framework.checkpoint.load import load_optimizers
+        from framework.checkpoint.load import load_optimizers, measured
 
         source = self.__dict__.pop("_source", None)
         if source is None:
             return
         try:
-            load_optimizers(self.optimizers, source, self.parameter_names())  # type: ignore[attr-defined]
+            with measured(source, *self.report_to(), "optimizers") as figures:
+                names = self.parameter_names()
+                figures["held"] = load_optimizers(self.optimizers, source, names)  # type: ignore[attr-defined]
         finally:
             source.close()
 

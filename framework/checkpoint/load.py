@@ -39,6 +39,38 @@ def same(name: str) -> list[str]:
     return [name]
 
 
+@contextlib.contextmanager
+def measured(source: Source, run_dir: Any, rank: int, phase: str) -> Any:
+    """Record what one phase of reading a checkpoint cost this rank, appended to
+    run_dir/resume/rank<R>.json: the bytes it filled and kept (`held`, set by the caller on the
+    yielded dict), the bytes its reader read and the kernel counted (`read`, `io_read`), and its
+    resident high-water mark's rise above where the phase started (`peak_rise`): beyond `held`,
+    what the reading itself cost."""
+    import json
+    from pathlib import Path
+
+    from framework import files
+    from framework.memory import bytes_read, peak_rss, reset_peak_rss
+
+    figures: dict[str, Any] = {"phase": phase, "held": 0}
+    start, io0, read0 = reset_peak_rss(), bytes_read(), getattr(source, "bytes_read", 0)
+    yield figures
+    figures["peak_rise"] = max(0, peak_rss() - start)
+    figures["io_read"] = bytes_read() - io0
+    figures["read"] = getattr(source, "bytes_read", 0) - read0
+    if run_dir is None:
+        return
+    path = Path(run_dir) / "resume" / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    files.write_atomic(path, json.dumps([*earlier, figures], indent=1))
+
+
+def filled(reads: list[Read]) -> int:
+    """Bytes the reads fill (what the rank keeps of the checkpoint)."""
+    return sum(r.out.numel() * r.out.element_size() for r in reads)
+
+
 def box_of(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """(the part of `tensor` this rank holds, its offset in the whole tensor): a DTensor's local
     tensor and the offset torch computes for its placements, a plain tensor whole."""
@@ -67,9 +99,10 @@ def saved_name(name: str, saved: dict[str, Any], aliases: Aliases) -> str | None
 
 
 @torch.no_grad()
-def load_model(model: torch.nn.Module, source: Source, aliases: Aliases = same) -> None:
+def load_model(model: torch.nn.Module, source: Source, aliases: Aliases = same) -> int:
     """Every parameter and persistent buffer of `model` (its part on this rank) from `source`;
-    NotPortable names one the checkpoint lacks or holds in another shape."""
+    NotPortable names one the checkpoint lacks or holds in another shape. Returns the bytes
+    read into it."""
     saved = source.model()
     reads: list[Read] = []
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -84,6 +117,7 @@ def load_model(model: torch.nn.Module, source: Source, aliases: Aliases = same) 
             )
         reads += reads_into(tensor, model_key(found))
     source.read(reads)
+    return filled(reads)
 
 
 @torch.no_grad()
@@ -92,15 +126,17 @@ def load_optimizers(
     source: Source,
     names: dict[int, str],
     aliases: Aliases = same,
-) -> None:
+) -> int:
     """Each optimizer's state and hyperparameters from `source`, matched by parameter name
     (`names`: id(parameter) -> its name in the task); the state tensors are made in the shape
-    and placement of their parameters, this rank's part read into them."""
+    and placement of their parameters, this rank's part read into them. Returns the bytes
+    read."""
     saved = source.optimizers()
     if len(saved) != len(optimizers):
         raise NotPortable(
             f"the checkpoint holds {len(saved)} optimizer(s), the task configures {len(optimizers)}"
         )
+    total = 0
     for index, (optimizer, spec) in enumerate(zip(optimizers, saved, strict=True)):
         state: dict[int, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
@@ -118,7 +154,9 @@ def load_optimizers(
                     reads += more
             position += len(params)
         source.read(reads)
+        total += filled(reads)
         optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return total
 
 
 def _entries(param, index: int, name: str, saved: dict[str, Any]) -> tuple[dict, list[Read]]:

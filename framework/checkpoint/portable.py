@@ -95,6 +95,10 @@ class Source(Protocol):
         """The most bytes the reader holds at once beyond the tensors it fills (one saved chunk,
         or one piece of a tensor), for `fw check`'s figure of a resume."""
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of tensor data read from the files so far."""
+
     def close(self) -> None:
         """Release open files and mappings."""
 

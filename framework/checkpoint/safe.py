@@ -120,6 +120,21 @@ def load_torch(
         raise UnsafeCheckpoint(f"{where} is not a readable torch file ({err})") from None
 
 
+def load_stream(stream: Any, where: str, trusted: bool = False) -> Any:
+    """A torch file inside a larger file (a DCP chunk: `stream` a view of its bytes), read with
+    its tensors on the meta device and torch's `weights_only` unpickler (`trusted`: without it)."""
+    import torch
+
+    try:
+        return torch.load(stream, map_location="meta", weights_only=not trusted)
+    except pickle.UnpicklingError as err:
+        named = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = f"names {named.group(1)}" if named else _unpickler_line(str(err))
+        raise UnsafeCheckpoint(f"{where} {what}, which a checkpoint never needs") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        raise UnsafeCheckpoint(f"{where} is not a readable torch file ({err})") from None
+
+
 def load_bytes(data: Any, where: str, trusted: bool = False) -> Any:
     """An object torch.save wrote into a buffer (DCP's byte entries), with `weights_only`
     (`trusted`: without it)."""

@@ -9,15 +9,16 @@ names) or `optimizer_<i>.param_groups.<name>.<setting>` (`dcp_flat`, written per
 pipeline stages; parameters with the same settings make one group).
 
 Read here without torch's load planner: the metadata with an unpickler that knows only DCP's
-metadata classes (every file it names must be a plain file of the directory), each saved chunk
-that overlaps a requested box with torch's `weights_only` loader, byte entries likewise. A box
-reads only the chunks it overlaps, one at a time.
+metadata classes (every file it names must be a plain file of the directory), byte entries with
+torch's `weights_only` loader. Each saved chunk is a small torch file inside its `.distcp` file:
+its pickle is read with tensors on the meta device (`weights_only`), and the part of its data
+that overlaps a requested box is read by position (torchfile.py), so a rank reads the bytes of
+its own boxes and holds one piece of one tensor at a time beyond them.
 """
 
 from __future__ import annotations
 
 import io
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from framework.checkpoint import safe
+from framework.checkpoint.formats.torchfile import TorchFile
 from framework.checkpoint.portable import (
     MODEL,
     NotPortable,
@@ -51,8 +53,7 @@ class DCPSource:
             safe.inside(path, str(info.relative_path), f"{self.where}/.metadata")
         self.entries = self.metadata.state_dict_metadata
         self._optimizers: list[OptimizerSpec] | None = None
-        self._chunk: tuple[Any, torch.Tensor] | None = None  # the last saved chunk read
-        self.bytes_read = 0
+        self.files: dict[Path, TorchFile] = {}  # the .distcp files opened, by path
 
     # ---- what it holds
     def model(self) -> dict[str, TensorSpec]:
@@ -108,6 +109,7 @@ class DCPSource:
             self._read_box(fqn, md, tuple(request.offset), request.out)
 
     def _read_box(self, fqn: str, md: Any, offset: tuple, out: torch.Tensor) -> None:
+        """The box's overlap with every saved chunk, read from that chunk by position."""
         size = tuple(out.shape)
         for index, chunk in enumerate(md.chunks):
             low = [max(o, c) for o, c in zip(offset, chunk.offsets, strict=True)]
@@ -117,26 +119,30 @@ class DCPSource:
             ]
             if any(lo >= hi for lo, hi in zip(low, high, strict=True)):
                 continue
-            saved = self._saved_chunk(fqn, chunk, index)
-            piece, target = saved, out
+            saved, file, start = self._saved_chunk(fqn, chunk, index)
+            target = out
             for d, (lo, hi) in enumerate(zip(low, high, strict=True)):
-                piece = piece.narrow(d, lo - chunk.offsets[d], hi - lo)
                 target = target.narrow(d, lo - offset[d], hi - lo)
-            target.copy_(piece)
+            within = tuple(lo - c for lo, c in zip(low, chunk.offsets, strict=True))
+            file.read_box(saved, within, target, base=start)
 
-    def _saved_chunk(self, fqn: str, chunk: Any, index: int) -> torch.Tensor:
+    def _saved_chunk(self, fqn: str, chunk: Any, index: int) -> tuple[torch.Tensor, Any, int]:
+        """(the saved chunk as a meta tensor, its open file, where its torch file starts): only
+        the chunk's own small pickle is read (type-restricted), never its data."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.utils import _create_file_view
 
-        where = MetadataIndex(fqn, chunk.offsets, index)
-        if self._chunk is not None and self._chunk[0] == where:
-            return self._chunk[1]
-        info = self.metadata.storage_data[where]
-        data = self._file_bytes(info)
-        tensor = safe.load_bytes(io.BytesIO(data), f"{self.where} {fqn}", self.trusted)
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(chunk.sizes):
+        info = self.metadata.storage_data[MetadataIndex(fqn, chunk.offsets, index)]
+        path = safe.inside(self.path, str(info.relative_path), f"{self.where}/.metadata")
+        file = self.files.get(path)
+        if file is None:
+            file = self.files[path] = TorchFile(path)
+        with open(path, "rb") as fh:
+            view = _create_file_view(fh, info.offset, info.length)
+            saved = safe.load_stream(view, f"{self.where} {fqn}", self.trusted)
+        if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(chunk.sizes):
             raise NotPortable(f"{self.where}: the saved chunk of {fqn} is not its recorded shape")
-        self._chunk = (where, tensor)
-        return tensor
+        return saved, file, info.offset
 
     def _file_bytes(self, info: Any) -> bytes:
         path = safe.inside(self.path, str(info.relative_path), f"{self.where}/.metadata")
@@ -144,7 +150,6 @@ class DCPSource:
             data = os.pread(fh.fileno(), info.length, info.offset)
         if len(data) != info.length:
             raise NotPortable(f"{path} is shorter than its metadata says (truncated?)")
-        self.bytes_read += len(data)
         return data
 
     def load_bytes(self, fqn: str) -> Any:
@@ -157,19 +162,25 @@ class DCPSource:
         )
 
     def largest_read(self) -> int:
-        """The largest saved chunk (each is read whole, then the box taken out of it)."""
-        return max(
-            (
-                math.prod(c.sizes) * _spec(md).nbytes // max(1, _spec(md).numel)
-                for md in self.entries.values()
-                if hasattr(md, "chunks")
-                for c in md.chunks
-            ),
-            default=0,
-        )
+        """One piece of the largest saved chunk (read by position, like a torch file)."""
+        from framework.checkpoint.formats.torchfile import largest_piece
+
+        chunks = {
+            f"{key}/{i}": TensorSpec(tuple(c.sizes), md.properties.dtype)
+            for key, md in self.entries.items()
+            if hasattr(md, "chunks")
+            for i, c in enumerate(md.chunks)
+        }
+        return largest_piece(chunks, [])
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self.files.values())
 
     def close(self) -> None:
-        self._chunk = None
+        for file in self.files.values():
+            file.close()
+        self.files.clear()
 
 
 def _spec(md: Any) -> TensorSpec:

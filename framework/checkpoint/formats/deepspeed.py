@@ -233,6 +233,10 @@ class DeepSpeedSource:
                     flat, (at + lo - begin,), out.narrow(0, lo - start, hi - lo)
                 )
 
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in (*self.files, self.model_reader))
+
     def largest_read(self) -> int:
         return largest_piece(self.model(), self.optimizers())
 

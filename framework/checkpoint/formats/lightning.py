@@ -98,6 +98,10 @@ class LightningSource:
         real = safe.load_torch(self.path, where, mmap=True, trusted=self.trusted)
         return {k: v for k, v in real.items() if k not in TENSORS}
 
+    @property
+    def bytes_read(self) -> int:
+        return self.file.bytes_read
+
     def largest_read(self) -> int:
         return largest_piece(self.model(), self.optimizers() if NAMES_KEY in self.tree else [])
 

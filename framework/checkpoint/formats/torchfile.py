@@ -33,15 +33,18 @@ class TorchFile:
             os.close(self.fd)
             self.fd = -1
 
-    def read_box(self, saved: torch.Tensor, offset: tuple[int, ...], out: torch.Tensor) -> None:
+    def read_box(
+        self, saved: torch.Tensor, offset: tuple[int, ...], out: torch.Tensor, base: int = 0
+    ) -> None:
         """Copy the box of meta tensor `saved` that starts at `offset` and has `out`'s shape
-        into `out` (converting the dtype)."""
+        into `out` (converting the dtype); `base`: where the torch file holding `saved` starts
+        in this file (a saved chunk inside a DCP file)."""
         if out.numel() == 0:
             return
         offset = tuple(offset) or (0,) * saved.dim()
         size = tuple(out.shape)
         if saved.dim() == 0:
-            self._copy_span(saved, (), (), out)
+            self._copy_span(saved, (), (), out, base)
             return
         # pieces along the dimension of the largest stride (the outermost one when row-major)
         dim = max(range(saved.dim()), key=lambda d: (saved.stride(d), -d))
@@ -50,16 +53,16 @@ class TorchFile:
             n = min(step, size[dim] - start)
             piece_offset = tuple(o + start if d == dim else o for d, o in enumerate(offset))
             piece_size = tuple(n if d == dim else s for d, s in enumerate(size))
-            self._copy_span(saved, piece_offset, piece_size, out.narrow(dim, start, n))
+            self._copy_span(saved, piece_offset, piece_size, out.narrow(dim, start, n), base)
 
-    def _copy_span(self, saved: torch.Tensor, offset, size, out: torch.Tensor) -> None:
+    def _copy_span(self, saved: torch.Tensor, offset, size, out: torch.Tensor, base: int) -> None:
         """Read the bytes spanning one box of `saved` and copy the box into `out`."""
         strides = saved.stride()
         first = saved.storage_offset() + sum(o * s for o, s in zip(offset, strides, strict=True))
         span = 1 + sum((n - 1) * s for n, s in zip(size, strides, strict=True))
         item = saved.element_size()
-        base = saved.untyped_storage()._checkpoint_offset
-        data = os.pread(self.fd, span * item, base + first * item)
+        where = base + saved.untyped_storage()._checkpoint_offset
+        data = os.pread(self.fd, span * item, where + first * item)
         if len(data) != span * item:
             raise ValueError(f"{self.path} is shorter than its tensors (truncated?)")
         self.bytes_read += len(data)

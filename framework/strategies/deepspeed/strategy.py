@@ -68,8 +68,11 @@ class ZeroStrategy(StrategyBase, DeepSpeedStrategy):
             )
 
     def restore(self, source) -> None:
+        from framework.checkpoint.load import measured
+
         try:
-            load_into_zero(self, source)
+            with measured(source, *self.report_to(), "partitions") as figures:
+                figures["held"] = load_into_zero(self, source)
         finally:
             source.close()
 

@@ -23,12 +23,14 @@ def flat_optimizer_state(model, optimizer) -> dict[str, Any]:
 
 def restore(strategy, source) -> None:
     """This rank's shards of the model, and of the optimizers when they exist, from `source`."""
-    from framework.checkpoint.load import load_model, load_optimizers, same
+    from framework.checkpoint.load import load_model, load_optimizers, measured, same
 
     aliases = strategy.ties.aliases if strategy.ties is not None else same
     try:
-        load_model(strategy.model, source, aliases)
-        if strategy.optimizers:
-            load_optimizers(strategy.optimizers, source, strategy.parameter_names(), aliases)
+        with measured(source, *strategy.report_to(), "model and optimizers") as figures:
+            figures["held"] = load_model(strategy.model, source, aliases)
+            if strategy.optimizers:
+                names = strategy.parameter_names()
+                figures["held"] += load_optimizers(strategy.optimizers, source, names, aliases)
     finally:
         source.close()
