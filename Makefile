@@ -67,6 +67,7 @@ bench: install
 	$(BIN)/python -m benchmarks.plan_vs_published
 	$(BIN)/python -m benchmarks.plan_accuracy --rounds 3
 	$(BIN)/python -m benchmarks.context
+	$(BIN)/python -m benchmarks.scale_memory
 	$(BIN)/python -m benchmarks.plot
 
 # One CUDA GPU: GPT-2 small (124M) in bf16, fw train against a hand-written loop (about 15 min;

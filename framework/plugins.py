@@ -74,8 +74,8 @@ class StrategyPlugin(Protocol):
 
     def checkpoint_format(self, cfg: Any, world: World) -> str:
         """The layout of the checkpoints this strategy writes (recorded in meta.json as
-        "format"): `lightning`, `deepspeed`, `dcp`, `dcp_flat`, or a new one that
-        framework/checkpoint/portable.py and framework/checkpoint/export.py read."""
+        "format"): `lightning`, `deepspeed`, `dcp`, `dcp_flat`, or a new one registered in
+        framework.checkpoint.formats (one object with its reader)."""
 
     def check_move(self, cfg: Any, source: str) -> None:
         """Raise ConfigError when this strategy cannot take in a checkpoint written by another
