@@ -19,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,tensorboard,mlflow,dev,bench,data,ray,docs,sweep,hf,torchft]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[recipes,wandb,tensorboard,mlflow,dev,bench,data,ray,docs,sweep,hf,torchft,float8]"
 	$(BIN)/pip install -q -c constraints.txt --no-deps "litdata>=0.2.76"
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -c constraints.txt --no-build-isolation "deepspeed>=0.15"
 	@$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), v; print('torch', v)"

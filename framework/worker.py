@@ -41,6 +41,8 @@ TRAINER_KEYS_SKIPPED = (
     "accelerator",
     "activation_checkpointing",
     "compile",
+    "float8",
+    "float8_skip",
     "malloc",
     "peak_tflops",
     "scale_lr",
@@ -226,11 +228,16 @@ def _train(job: JobPlan | DictConfig, run_dir: Path, resume_from: Path | None = 
 
 def strategy_inputs(plan: JobPlan, trust: bool = False) -> StrategyInputs:
     """What the strategy plugin's `build` gets besides its config (framework/strategy_base.py)."""
+    from framework.parallel import float8
     from framework.parallel.transforms import ModelTransforms
 
     cfg = plan.cfg
     return StrategyInputs(
-        transforms=ModelTransforms(cfg.trainer.activation_checkpointing, cfg.trainer.compile),
+        transforms=ModelTransforms(
+            cfg.trainer.activation_checkpointing,
+            cfg.trainer.compile,
+            float8.settings_for(cfg.trainer, plan.world.is_cuda),
+        ),
         data_parallel=plan.data_parallel,
         data_order=cfg.task.data_order,
         trust_checkpoint=trust or cfg.run.trust_checkpoint,

@@ -186,6 +186,18 @@ class TrainerConfig:
         ("none", "full", "selective"),
     )
     compile: bool = doc(False, "torch.compile every block of the model (not the task module).")
+    float8: str = doc(
+        "none",
+        "Train the linear layers in float8 (torchao, docs/float8.md): tensorwise (one scale per "
+        "tensor), rowwise (per row), rowwise_with_gw_hp (rowwise, weight gradients in high "
+        "precision) or none. Emulated on the CPU; a GPU needs compute capability 8.9+.",
+        ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    )
+    float8_skip: list[str] = doc(
+        ["*head", "*output", "*router*", "*gate"],
+        "Module names (fnmatch patterns) kept in high precision under float8; replaces the "
+        "default (the output head and mixture-of-experts routers).",
+    )
     malloc: str = doc(
         "auto",
         "glibc malloc in each training process: reuse (large freed CPU blocks stay mapped for "

@@ -22,6 +22,7 @@ from framework.config.dry_build import dry_build
 from framework.config.fields import check_fields
 from framework.config.schema import TRAINER_OWNED
 from framework.errors import ConfigError
+from framework.parallel import float8
 from framework.plugins import JobView, capability, load_plugin, typed_config
 from framework.world import World, cuda_device_count
 
@@ -49,6 +50,7 @@ def plan_job(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     elif cfg.trainer.get("test_after_fit"):
         commands.check_test_after_fit(cfg.task)
     lr_scaling.check(cfg.trainer)
+    float8.check(cfg.trainer, world, here)
     model, data = dry_build(cfg.task)
     plugin = load_plugin("strategy", cfg.strategy.kind, "strategy.kind")
     strategy = typed_config(plugin, cfg.strategy, "strategy")

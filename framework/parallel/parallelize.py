@@ -1,6 +1,7 @@
 """`parallelize`: the one place where a task is made parallel, in a fixed order.
 
-1. pipeline cut (pp > 1): this rank keeps only its stages' layers;
+1. pipeline cut (pp > 1): this rank keeps only its stages' layers; then the float8 swap of its
+   linear layers (`trainer.float8`, framework/parallel/float8.py), before any of them is split;
 2. tensor-parallel plans on the `tp` view (tp > 1);
 3. expert parallel on the `ep` view (ep > 1): each rank keeps its share of every MoE layer's
    experts (framework/parallel/experts.py); context parallel on the `cp` view (cp > 1): the
@@ -75,6 +76,7 @@ def parallelize(
     if cut is not None:
         kept = [layer for s in cut.mine for layer in cut.layers(s)]
         pipeline.keep_only(task, cut.chain, kept)
+    transforms.convert_float8(task, fsdp_all_gather=dims.shard_size > 1)
     if dims.tp > 1:
         apply_tensor_parallel(
             task,

@@ -1,21 +1,26 @@
-"""Activation checkpointing and torch.compile, applied per block of a model.
+"""The model transforms every strategy applies the same way: float8 linear layers
+(framework/parallel/float8.py), then activation checkpointing and torch.compile per block.
 
 Blocks are the task's layers (`layers`, as its model family names them: a transformers model's
 decoder layers, else the members of every `nn.ModuleList`); a model without any has its
 top-level children taken instead. Both transforms replace a block's `forward` in place, so module and parameter names, and therefore checkpoints, do not change. The block's
 forward is compiled first and the checkpoint wraps the compiled function: compiling through the
 checkpoint fails for tensor-parallel (DTensor) blocks in the installed torch. They run after
-tensor parallelism and before data-parallel wrapping (DDP, ZeRO, FSDP2) in every strategy.
+tensor parallelism and before data-parallel wrapping (DDP, ZeRO, FSDP2) in every strategy. The
+float8 swap comes first: before tensor parallelism (`parallelize` calls `convert_float8` ahead
+of its plans), else at the start of `apply`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from framework.parallel.float8 import Float8Settings, convert
 
 log = logging.getLogger("framework.nn")
 
@@ -87,11 +92,22 @@ def checkpoint_block(block: nn.Module, mode: str) -> None:
 
 @dataclass
 class ModelTransforms:
+    """What the worker hands every strategy from `trainer.*`: float8 linear layers,
+    activation checkpointing and compile of the task's blocks."""
+
     activation_checkpointing: str = "none"
     compile: bool = False
+    float8: Float8Settings = field(default_factory=Float8Settings)
+
+    def convert_float8(self, task: nn.Module, fsdp_all_gather: bool = False) -> int:
+        """The float8 swap alone, before tensor parallelism and FSDP (`fsdp_all_gather`: FSDP2
+        will shard the layers); returns the layers converted (none again on a second call)."""
+        return convert(task, self.float8, fsdp_all_gather)
 
     def apply(self, task: nn.Module) -> int:
-        """Transform every block of `task` in place; returns how many blocks."""
+        """Transform `task` in place: float8 layers (unless converted already), then every
+        block; returns how many blocks."""
+        self.convert_float8(task)
         if self.activation_checkpointing == "none" and not self.compile:
             return 0
         found = blocks(task)
