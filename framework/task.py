@@ -61,11 +61,21 @@ class TaskModule(pl.LightningModule):
         }
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer `task.optimizer` names, with its arguments, over `param_groups()`."""
+        """The optimizer `task.optimizer` names, with its arguments, over `param_groups()`;
+        a Muon (framework.optim.Muon, or torch.optim.Muon, run by it) over those groups split
+        into the hidden 2-D weights and the rest (framework/optim/muon.py)."""
         kwargs = {k: v for k, v in self.optimizer_config.items() if k != "_target_"}
-        if "betas" in kwargs:
-            kwargs["betas"] = tuple(kwargs["betas"])
-        return get_class(self.optimizer_config["_target_"])(self.param_groups(), **kwargs)
+        for key in ("betas", "ns_coefficients"):
+            if key in kwargs:
+                kwargs[key] = tuple(kwargs[key])
+        from framework.optim.muon import Muon, from_torch, split_groups
+
+        cls = get_class(self.optimizer_config["_target_"])
+        if cls is torch.optim.Muon:  # 2-D tensors only: the split needs AdamW beside it
+            cls, kwargs = Muon, from_torch(kwargs)
+        if isinstance(cls, type) and issubclass(cls, Muon):
+            return cls(split_groups(self, self.param_groups()), **kwargs)
+        return cls(self.param_groups(), **kwargs)
 
     def make_scheduler(self, optimizer, total_steps) -> Any:
         """The LR schedule `task.scheduler` describes (None: a constant lr, no scheduler);

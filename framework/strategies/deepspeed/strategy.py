@@ -46,6 +46,10 @@ class ZeroStrategy(StrategyBase, DeepSpeedStrategy):
         self.inputs.transforms.apply(task)  # before DeepSpeed wraps the model
         sources = pretrained_before_setup(self, task, trainer)
         super().setup(trainer)
+        if self.optimizers:  # a Muon optimizer learns where its matrices lie in ZeRO's partitions
+            from framework.strategies.deepspeed.muon import bind
+
+            bind(self.deepspeed_engine.optimizer)
         reports = []
         for source in sources:  # ZeRO-3: each rank reads its partitions of pretrained weights
             read_before = bytes_read()
