@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -117,7 +118,27 @@ def test_help_lists_groups_and_config_shows_descriptions():
     assert "n_layer: 4  # int" in shown.stdout
 
 
-SUBCOMMANDS = ["train", "config", "export", "check", "plan", "plot", "prepare", "sweep"]
+def subcommands() -> list[str]:
+    """Every command the CLI names: in `fw --help` (its `fw NAME` and `fw A|B|C` lines) and in
+    its table of per-command help; a command added to either is covered here."""
+    from framework.cli import COMMAND_HELP, USAGE
+
+    named = re.findall(r"^(?:usage: |\s+)fw ([a-z|]+) ", USAGE, re.MULTILINE)
+    return sorted({c for line in named for c in line.split("|")} | set(COMMAND_HELP))
+
+
+SUBCOMMANDS = subcommands()
+
+
+def test_the_help_names_every_command_fw_runs(capsys):
+    """The commands an unknown command is told to choose from (those `fw` dispatches) are the
+    ones its help names, so the test below reaches every one of them."""
+    from framework.cli import main
+
+    assert main(["no-such-command"]) == 2
+    err = capsys.readouterr().err
+    choices = err.split("Valid choices: ", 1)[1].strip().rstrip(".").split(", ")
+    assert sorted(choices) == SUBCOMMANDS, err
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS)
