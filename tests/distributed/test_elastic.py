@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -191,13 +190,19 @@ def reference(tmp_path_factory) -> Path:
     ],
 )
 def test_launcher_slurm_refuses_a_bad_elastic_setting_before_submitting(
-    args, message, workdir, monkeypatch, capsys
+    args, message, workdir, tmp_path, monkeypatch, capsys
 ):
-    if shutil.which("sbatch") is None:
-        pytest.skip("no sbatch on this machine: launcher=slurm is refused for that first")
+    """On any machine: an `sbatch` of the test's own first on PATH (launcher=slurm is refused
+    without one), which records a call; nothing is submitted."""
+    bin_dir, called = tmp_path / "bin", tmp_path / "sbatch-called"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ntouch {called}\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     common = ["launcher=slurm", "trainer.num_nodes=2", "trainer.devices=1"]
     err = refused([*common, *args, *QUIET], workdir, monkeypatch, capsys)
     assert message in err, err
+    assert not called.exists(), "sbatch was called"
 
 
 @pytest.mark.slow
