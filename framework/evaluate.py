@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from framework.callbacks.checkpoint import chosen_checkpoint
 from framework.checkpoint import disk
 from framework.config.compose import GROUPS, compose_config, hydra_overrides, parse_overrides
 from framework.errors import ConfigError
@@ -33,20 +34,10 @@ from framework.errors import ConfigError
 log = logging.getLogger("framework.evaluate")
 
 COMMANDS = ("validate", "test", "predict")
-BEST = "best"  # checkpoints/best: the best by callbacks.checkpoint.monitor, beside `last`
 PLUGIN_GROUPS = ("strategy", "launcher")  # a node typed by the plugin its `kind` names
 NAMED_GROUPS = ("logger", "callbacks")  # entries typed by their plugin, or a `_target_`
 # keys of a run's config a checkpoint's model depends on (an evaluation changes no optimizer)
 MODEL_KEYS = ("task._target_", "task.model.")
-
-
-def chosen_checkpoint(ckpt_dir: Path) -> Path | None:
-    """What an evaluation of a run reads by default: checkpoints/best (kept by the checkpoint
-    callback when it has a `monitor`) when it is complete, else the newest complete one."""
-    best = Path(ckpt_dir) / BEST
-    if best.is_dir() and disk.verify(best.resolve()) is None:
-        return best.resolve()
-    return disk.newest_complete(Path(ckpt_dir))
 
 
 def locate(source: str) -> tuple[Path, Path | None, dict[str, Any]]:

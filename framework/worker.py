@@ -296,7 +296,7 @@ def test_after_fit(plan: JobPlan, run_dir: Path, step: int) -> None:
 
     import lightning.pytorch as pl
 
-    from framework.evaluate import chosen_checkpoint
+    from framework.callbacks.checkpoint import chosen_checkpoint
 
     chosen = chosen_checkpoint(run_dir / "checkpoints")
     if chosen is None:

@@ -42,14 +42,10 @@ def has_data(data_cls: type, command: str) -> bool:
     return defines(data_cls, pl.LightningDataModule, HOOKS[command][1])
 
 
-def check_command(command: str, task: Any) -> None:
+def check_command(command: str, task: Any, task_cls: type, data_cls: type) -> None:
     """`fw validate|test|predict`: the task's step and its data module's loader both exist
-    (`task`: the composed `task` node). A task's own predict_step is optional (Lightning's
-    default calls the model on the batch)."""
-    from framework.config.validate import import_target
-
-    task_cls = import_target("task._target_", task._target_)
-    data_cls = import_target("task.data._target_", task.data._target_)
+    (`task`: the composed `task` node; its classes imported). A task's own predict_step is
+    optional (Lightning's default calls the model on the batch)."""
     step, loader = HOOKS[command]
     if command != "predict" and not has_step(task_cls, command):
         raise ConfigError(
@@ -73,12 +69,8 @@ def prefix(command: str) -> str:
     return {"validate": "val"}.get(command, command)
 
 
-def check_test_after_fit(task: Any) -> None:
+def check_test_after_fit(task_cls: type, data_cls: type) -> None:
     """`trainer.test_after_fit`: the task has a test_step and its data module test data."""
-    from framework.config.validate import import_target
-
-    task_cls = import_target("task._target_", task._target_)
-    data_cls = import_target("task.data._target_", task.data._target_)
     if not has_step(task_cls, "test"):
         problem = f"{task_cls.__name__} defines no test_step"
     elif not has_data(data_cls, "test"):

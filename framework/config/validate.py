@@ -45,10 +45,14 @@ def plan_job(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
         world = target_world(cfg)
     check_task(cfg.task)
     check_trainer(cfg)
+    classes = (
+        import_target("task._target_", cfg.task._target_),
+        import_target("task.data._target_", cfg.task.data._target_),
+    )
     if cfg.get("command", "fit") != "fit":
-        commands.check_command(cfg.command, cfg.task)
+        commands.check_command(cfg.command, cfg.task, *classes)
     elif cfg.trainer.get("test_after_fit"):
-        commands.check_test_after_fit(cfg.task)
+        commands.check_test_after_fit(*classes)
     lr_scaling.check(cfg.trainer)
     float8.check(cfg.trainer, world, here)
     model, data = dry_build(cfg.task)
@@ -214,7 +218,8 @@ def check_named_entry(family: str, name: str, entry: Any, world: World) -> None:
         if family == "logger":
             from framework.loggers import targets
 
-            targets.check(key, entry)
+            cls = import_target(f"{key}._target_", entry._target_)
+            check_arguments(key, cls, targets.checked(key, entry, cls))
             return
         import_target(f"{key}._target_", entry._target_)
         return

@@ -33,22 +33,18 @@ def filled(cls: type, args: dict[str, Any], name: str, run_dir: Path, run_id: st
     return {**{k: v for k, v in defaults.items() if k in params and k not in args}, **args}
 
 
-def check(key: str, node: DictConfig) -> None:
-    """Before launch: the class exists, is a Lightning logger, and takes the entry's arguments
-    (those the run fills in count as given)."""
+def checked(key: str, node: DictConfig, cls: Any) -> dict[str, Any]:
+    """Before launch: the class is a Lightning logger; returns the arguments it will get (those
+    the run fills in count as given), for validation to check against its signature."""
     from lightning.pytorch.loggers import Logger
 
-    from framework.config.validate import check_arguments, import_target
-
-    cls = import_target(f"{key}._target_", node._target_)
     if not (inspect.isclass(cls) and issubclass(cls, Logger)):
         raise ConfigError(
             f"{key}._target_",
             node._target_,
             "not a Lightning logger (a subclass of lightning.pytorch.loggers.Logger)",
         )
-    args = filled(cls, arguments(node), key.rsplit(".", 1)[-1], Path("."), "id")
-    check_arguments(key, cls, args)
+    return filled(cls, arguments(node), key.rsplit(".", 1)[-1], Path("."), "id")
 
 
 def build_target(name: str, node: DictConfig, ctx: Any) -> Any:

@@ -10,8 +10,11 @@ step boundary and exit with code 75, so a requeue script can start the same comm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from framework.config.fields import doc
+
+BEST = "best"  # checkpoints/best: the best by `monitor`, beside `last` (callback.py makes it)
 
 
 @dataclass
@@ -24,7 +27,11 @@ class Config:
     )
     keep_last: int = doc(2, "Keep the newest K checkpoints (at least 1).", min=1)
     keep_best: int = doc(1, "Also keep the best K by `monitor` (0: none).", min=0)
-    monitor: str | None = doc(None, "Metric ranking checkpoints for keep_best, e.g. val/loss.")
+    monitor: str | None = doc(
+        None,
+        "Metric ranking checkpoints for keep_best and checkpoints/best (what fw test reads), "
+        "e.g. val/loss; the run stops at its first validation if no part of the task logs it.",
+    )
     mode: str = doc("min", "Whether a lower or a higher `monitor` value is better.", ("min", "max"))
     save_on_train_end: bool = doc(True, "Also save when training ends between checkpoints.")
     async_save: bool = doc(
@@ -47,3 +54,14 @@ def build(cfg: Config, ctx):
     from framework.callbacks.checkpoint.callback import Checkpointer
 
     return Checkpointer(cfg, ctx)
+
+
+def chosen_checkpoint(ckpt_dir: Path) -> Path | None:
+    """What an evaluation of a run reads by default (`fw test RUN_DIR`, `trainer.test_after_fit`):
+    checkpoints/best when it is complete, else the newest complete checkpoint."""
+    from framework.checkpoint import disk
+
+    best = Path(ckpt_dir) / BEST
+    if best.is_dir() and disk.verify(best.resolve()) is None:
+        return best.resolve()
+    return disk.newest_complete(Path(ckpt_dir))

@@ -220,7 +220,7 @@ class Checkpointer(pl.Callback):
         if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
         tmp.symlink_to(best.name)
-        os.replace(tmp, self.ckpt_dir / "best")
+        os.replace(tmp, self.ckpt_dir / "best")  # read by chosen_checkpoint (__init__.py)
 
     def check_monitor(self, trainer: pl.Trainer) -> None:
         """At the first validation: `monitor` names a metric the task logs, or the run stops
