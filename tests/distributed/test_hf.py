@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers  # noqa: F401 (the hf extra: missing, these fail, not skip)
 
 from tests.conftest import QUIET, fw, losses, refused
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 PLAIN = [
     "task=digits",

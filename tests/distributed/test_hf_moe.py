@@ -14,10 +14,10 @@ import json
 
 import pytest
 import torch
+import transformers  # noqa: F401 (the hf extra: missing, these fail, not skip)
 
 from tests.conftest import QUIET, fw, losses, read_metrics
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 PLAIN = [
     "task=digits",

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers  # noqa: F401 (the hf extra: missing, these fail, not skip)
 
 from tests.conftest import fw, losses, refused
 from tests.distributed import test_hf
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 FAMILIES = {"llama": "tests.hf_tasks.PlainLlama", "qwen2": "tests.hf_tasks.PlainQwen2"}
 # test_hf.py's settings (10 steps, CSV losses, deterministic), the family chosen per test

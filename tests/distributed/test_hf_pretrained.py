@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers  # noqa: F401 (the hf extra: missing, these fail, not skip)
 
 from framework.integrations.hf.safetensors_io import weight_map
 from tests.conftest import QUIET, fw, losses
 from tests.hf_pretrained import BLOCK, periodic_corpus, reference_loss, write_llama, write_moe
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 

@@ -12,17 +12,16 @@ import time
 
 import pytest
 import torch
+import transformers  # noqa: F401 (the hf extra: missing, these fail, not skip)
 
+from framework.checkpoint import disk
+from framework.checkpoint.export import consolidated_state
 from tests.conftest import QUIET, assert_resumed, fw, losses, metric_rows
+from tests.distributed.test_resume import start, wait_for_step
+from tests.hf_pretrained import LOGITS, PLAIN, shared_runs
+from tests.hf_tasks import PlainLlama
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
-
-from framework.checkpoint import disk  # noqa: E402
-from framework.checkpoint.export import consolidated_state  # noqa: E402
-from tests.distributed.test_resume import start, wait_for_step  # noqa: E402
-from tests.hf_pretrained import LOGITS, PLAIN, shared_runs  # noqa: E402
-from tests.hf_tasks import PlainLlama  # noqa: E402
 
 STEPS, EVERY = 8, 3
 FSDP_TP = [

@@ -107,7 +107,6 @@ def test_the_demo_transformers_tensor_parallel_checkpoint_exports_one_process_we
 def test_bert_without_a_plan_is_split_by_an_inferred_one_and_reproduces_one_process(
     tmp_path_factory,
 ):
-    pytest.importorskip("transformers")
     one, tp = tmp_path_factory.mktemp("bert_one"), tmp_path_factory.mktemp("bert_tp")
     train(*BERT, cwd=one)
     log = train(*BERT, *TENSOR, *shards(tp), cwd=tp)

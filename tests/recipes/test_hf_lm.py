@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers  # noqa: F401 (the hf extra: missing, these fail, not skip)
 
 from tests.conftest import QUIET, fw, losses, read_metrics, refused
 from tests.hf_pretrained import write_llama, write_word_tokenizer
-
-pytest.importorskip("transformers")
 
 RUN = ["logger=[csv]", "callbacks=none", "trainer.log_every_n_steps=1", *QUIET]
 

@@ -134,7 +134,6 @@ def test_replica_groups_on_one_machine_take_gpus_of_their_own(devices):
     from framework.strategies import ddp
     from framework.strategy_base import StrategyInputs
 
-    pytest.importorskip("torchft")
     inputs = StrategyInputs(transforms=ModelTransforms(False, False))
     world = cuda_world(devices)
     placed = {}

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from framework.errors import ConfigError
@@ -17,8 +18,6 @@ from framework.integrations.hf.sparse_moe import sparse_blocks, swap_sparse_bloc
 from framework.parallel.experts import moe_layers
 from tests.conftest import QUIET, refused
 from tests.hf_moe_tasks import mixtral_config, qwen3_moe_config
-
-transformers = pytest.importorskip("transformers")
 
 
 class Holder(nn.Module):

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from framework.parallel import pipeline
-
-transformers = pytest.importorskip("transformers")
 
 
 def tiny(family: str, **extra):

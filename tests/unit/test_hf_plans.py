@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from framework.errors import ConfigError
 from framework.integrations.hf.plans import tensor_plan as hf_plan
 from framework.parallel.fsdp import units
 from framework.parallel.transforms import ModelTransforms, blocks
-
-transformers = pytest.importorskip("transformers")
 
 
 class Holder(nn.Module):

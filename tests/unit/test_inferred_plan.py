@@ -204,7 +204,6 @@ def test_a_model_with_declared_plans_is_not_inferred():
 
 
 def test_bert_gets_attention_mlp_and_pooler_pairs():
-    pytest.importorskip("transformers")
     from tests.hf_tasks import PlainBert
 
     task = PlainBert()

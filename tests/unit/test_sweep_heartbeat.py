@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import time
 
+import optuna
 import pytest
+from optuna.trial import TrialState
 
-optuna = pytest.importorskip("optuna")
-
-from optuna.trial import TrialState  # noqa: E402
-
-from framework.sweep.study import HOST, PID, fail_orphans, heartbeat, open_storage  # noqa: E402
+from framework.sweep.study import HOST, PID, fail_orphans, heartbeat, open_storage
 
 
 def test_a_silent_trial_from_another_machine_is_failed_and_a_beating_one_stays(tmp_path, caplog):

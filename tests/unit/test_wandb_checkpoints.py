@@ -11,10 +11,9 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import wandb
 
-pytest.importorskip("wandb")
-
-from framework.loggers.wandb.logger import RunWandbLogger  # noqa: E402
+from framework.loggers.wandb.logger import RunWandbLogger
 
 
 class Logged:
@@ -127,8 +126,6 @@ def test_a_failed_upload_is_a_warning_not_a_crash(checkpoints, caplog):
 
 
 def test_the_copy_runs_off_the_training_thread_and_pruning_waits_for_it(checkpoints, monkeypatch):
-    import wandb
-
     release, copying = threading.Event(), threading.Event()
     add_dir = wandb.Artifact.add_dir
 
