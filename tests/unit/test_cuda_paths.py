@@ -283,7 +283,8 @@ def test_gloo_groups_of_a_multi_node_cuda_job_bind_to_an_explicit_interface(
         world, "route_source", lambda host: "10.0.0.7" if host[0].isdigit() else "127.0.1.1"
     )
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded: host_group's own setting is undone at the end
+        monkeypatch.delenv(name)
     for name, value in {"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16", **env}.items():
         monkeypatch.setenv(name, value)
     made = []

@@ -232,10 +232,16 @@ class PretrainedSource:
 
 
 def pending(task: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, model) of the task's transformers models whose parameters are still on meta."""
+    """(path, model) of the task's transformers models built from a pretrained directory whose
+    parameters are still on meta (a whole task built on meta, as `fw check` builds it, holds
+    models made from a config: they have no directory and are left alone)."""
     from framework.integrations.hf.plans import models
 
-    return [(path, model) for path, model in models(task) if on_meta(model)]
+    return [
+        (path, model)
+        for path, model in models(task)
+        if on_meta(model) and model.name_or_path and Path(model.name_or_path).is_dir()
+    ]
 
 
 def sources(task: nn.Module) -> list[PretrainedSource]:
