@@ -320,6 +320,9 @@ def describe(gathered: list[dict], threads: int):
 if __name__ == "__main__":
     import faulthandler
 
+    from framework.processes import die_with_parent
+
+    die_with_parent()  # a killed fw calibrate leaves no measuring process behind
     faulthandler.enable()  # a fatal signal prints where each thread was
     measure(sys.argv[1])
     # Everything is written and the group left together. The interpreter's teardown would then

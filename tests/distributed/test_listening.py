@@ -89,6 +89,7 @@ def test_fw_calibrate_listens_on_loopback_only(workdir):
         text=True,
     )
     sockets: set[str] = set()
+    tree: list[int] = []
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
@@ -102,6 +103,14 @@ def test_fw_calibrate_listens_on_loopback_only(workdir):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    deadline = time.monotonic() + 10  # killed with fw calibrate (each has a session of its own)
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in tree[1:]):
+        time.sleep(0.1)
+    survivors = [pid for pid in tree[1:] if Path(f"/proc/{pid}/cmdline").exists()]
+    for pid in survivors:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not survivors, "measuring processes outlived a killed fw calibrate"
     assert not marker.exists(), "a measuring process imported the stray torch.py"
     assert sockets, proc.stderr.read()[-3000:]
     hosts = {ipaddress.ip_address(s.rpartition(":")[0]) for s in sockets}
