@@ -128,8 +128,42 @@ def convert(task: nn.Module, settings: Float8Settings, fsdp_all_gather: bool = F
 
     config = torchao_config(settings, fsdp_all_gather)
     convert_to_float8_training(task, config=config, module_filter_fn=lambda m, n: n in names)
-    log.debug("float8 (%s): %d linear layers converted", settings.recipe, len(names))
+    if config.enable_fsdp_float8_all_gather:
+        for name in names:
+            task.get_submodule(name).register_state_dict_post_hook(ordinary_weight)
+    if first_rank():
+        log.info("float8 (%s): %d linear layers in float8", settings.recipe, len(names))
     return len(names)
+
+
+def first_rank() -> bool:
+    """Rank 0 of the job, or no job of several processes (the one that says what was done)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def ordinary_weight(module: nn.Module, state: dict, prefix: str, metadata) -> None:
+    """A state-dict hook: the weight torchao wraps for the float8 all-gather
+    (WeightWithDynamicFloat8CastTensor, a DTensor's local part under FSDP2) as the plain tensor
+    it holds (sharing its storage), so a checkpoint holds ordinary weights, and a reader that
+    fills the state dict's tensors fills the parameter."""
+    key = prefix + "weight"
+    weight = state.get(key)
+    if weight is None:
+        return
+    inner = weight.to_local() if hasattr(weight, "device_mesh") else weight
+    if not hasattr(inner, "_tensor") or type(inner).__name__ != "WeightWithDynamicFloat8CastTensor":
+        return
+    if inner is weight:
+        state[key] = inner._tensor
+        return
+    from torch.distributed.tensor import DTensor
+
+    state[key] = DTensor.from_local(
+        inner._tensor, weight.device_mesh, weight.placements, shape=weight.shape,
+        stride=weight.stride(), run_check=False,
+    )  # fmt: skip
 
 
 def quiet_torchao() -> None:
