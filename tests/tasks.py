@@ -443,6 +443,82 @@ class StepGrads(pl.Callback):
         torch.save(grads, out)
 
 
+class SequenceShare(pl.Callback):
+    """Writes <run dir>/sequence-rank{r}.json at the first training step: the position ids this
+    rank's model embeds (every distinct row handed to the gpt recipe's position embedding `pos`
+    or to a transformers model's rotary embedding) and, per block (a module whose class name
+    ends in TransformerBlock or DecoderLayer), how many positions of each sequence it hands on
+    (its output's dimension 1). Under context parallel: this rank's chunks only, not the whole
+    sequence. Hooked for that step alone (a pipeline's timing of layers at setup and the
+    sanity validation run before it)."""
+
+    def __init__(self) -> None:
+        self.handles: list = []
+        self.seen: dict = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 0 or self.handles:
+            return
+        self.seen = {"positions": [], "blocks": {}}
+        for name, module in pl_module.named_modules():
+            kind = type(module).__name__
+            if kind.endswith(("TransformerBlock", "DecoderLayer")):
+                self.handles.append(module.register_forward_hook(self._block(name)))
+            elif name.rsplit(".", 1)[-1] == "pos" or kind.endswith("RotaryEmbedding"):
+                hook = module.register_forward_pre_hook(self._positions, with_kwargs=True)
+                self.handles.append(hook)
+
+    def _block(self, name: str):
+        def hook(module, args, output) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            self.seen["blocks"].setdefault(name, hidden.shape[1])
+
+        return hook
+
+    def _positions(self, module, args, kwargs) -> None:
+        # nn.Embedding(positions); a rotary embedding's (x, position_ids)
+        ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        ids = args[0] if ids is None else ids
+        for row in ids.reshape(-1, ids.shape[-1]).tolist():
+            if row not in self.seen["positions"]:
+                self.seen["positions"].append(row)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.handles:
+            return
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        out = os.path.join(trainer.default_root_dir, f"sequence-rank{trainer.global_rank}.json")
+        with open(out, "w") as fh:
+            json.dump(self.seen, fh)
+
+
+def assert_sequence_share(run, ranks: int, length: int, cp: int) -> None:
+    """Every rank of a run with `SequenceShare` held 2 of the 2 x cp equal chunks of each
+    sequence of `length`, chunks r and 2cp-1-r, in every block it ran and in the positions it
+    embedded (where it embedded any: a pipeline's first stage), and each r was held by
+    ranks / cp ranks (the cp ranks of a group split the sequence between them)."""
+    n = length // (2 * cp)
+    chunks = {
+        r: [*range(r * n, (r + 1) * n), *range((2 * cp - 1 - r) * n, (2 * cp - r) * n)]
+        for r in range(cp)
+    }
+    held, embedded = [], 0
+    for rank in range(ranks):
+        with open(os.path.join(run, f"sequence-rank{rank}.json")) as fh:
+            seen = json.load(fh)
+        assert seen["blocks"] and set(seen["blocks"].values()) == {2 * n}, (rank, seen)
+        if seen["positions"]:
+            embedded += 1
+            assert len(seen["positions"]) == 1, (rank, seen["positions"])
+            mine = [r for r, c in chunks.items() if c == seen["positions"][0]]
+            assert mine, f"rank {rank} embedded positions {seen['positions'][0]}, not 2 chunks"
+            held += mine
+    assert embedded, "no rank embedded positions"
+    assert sorted(held) == sorted(list(range(cp)) * (embedded // cp)), held
+
+
 class PromptMaskedText(TextDataModule):
     """The gpt recipe's data with the first quarter of every target block ignored (-100), like
     a prompt not trained on: under context parallel the chunks then hold different numbers of

@@ -4,8 +4,10 @@ gradients at step 1 within 1e-6, in every composition: ulysses (cp=2), ring over
 allgather under cp=2 x fsdp=2, ring under cp=2 x tp=2 (tp inside cp), under pp=2 x cp=2 and
 under cp=2 x ep=2 (moe_gpt; 4 processes but ulysses); with a quarter of the targets ignored
 (all gpt runs but cp2xfsdp2: the chunks hold different counts, the loss is still the mean over
-the sequences' tokens); a kill -9 under cp=2 x fsdp=2 resumes bitwise; a cp checkpoint moves to
-one process; bad settings are refused before launch."""
+the sequences' tokens); in each, every rank embeds the positions of its own 2 chunks only and
+its blocks hand on 64 / cp positions (equal losses alone would also come from every rank
+computing the whole sequence); a kill -9 under cp=2 x fsdp=2 resumes bitwise; a cp checkpoint
+moves to one process; bad settings are refused before launch."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from tests.conftest import QUIET, assert_resumed, fw, losses, metric_rows, read_metrics, refused
 from tests.distributed.conftest import GPT
+from tests.tasks import assert_sequence_share
 
 pytestmark = pytest.mark.slow
 COMMON = [*QUIET, "trainer.deterministic=true", "trainer.log_every_n_steps=1", "logger=[csv]"]
@@ -26,6 +29,8 @@ GRADS = ["+callbacks.grads._target_=tests.tasks.StepGrads"]  # grads-rank{r}.pt 
 # cp=2 with a pipeline's sends, and with the experts' all-to-all
 NCCL = ["+callbacks.nccl._target_=tests.tasks.RecordNcclRules"]
 RECORDED = ("pp2xcp2", "cp2xep2")
+# the positions every rank embeds and its blocks run at step 0 (sequence-rank{r}.json)
+SHARE = ["+callbacks.share._target_=tests.tasks.SequenceShare"]
 TEN = "trainer.max_steps=10"
 VAL10 = "trainer.val_check_interval=10"
 MOE = [
@@ -126,7 +131,8 @@ def trained(tmp_path_factory):
         if not (root / name / "metrics.csv").exists():
             grads = GRADS if name in {*GRADS_OF, *GRADS_OF.values()} else []
             nccl = NCCL if name in RECORDED else []
-            train(root / name, *RUNS[name][0], *grads, *nccl, cwd=root)
+            share = SHARE if RUNS[name][1] is not None else []  # the cp runs
+            train(root / name, *RUNS[name][0], *grads, *nccl, *share, cwd=root)
         return root / name
 
     return run
@@ -171,6 +177,18 @@ def test_attention_gradients_at_step_1_equal_one_process(name, trained):
     assert len(want) == 8 and got.keys() == want.keys(), (sorted(got), sorted(want))
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst <= 1e-6, worst
+
+
+@pytest.mark.parametrize(
+    ("name", "cp"),
+    [("ulysses", 2), ("cp2xfsdp2", 2), ("pp2xcp2", 2), ("cp2xep2", 2), ("cp4", 4), ("cp2xtp2", 2)],
+)
+def test_each_rank_holds_only_its_chunks_of_every_sequence(name, cp, trained):
+    """Under every cp mode (ulysses, allgather at cp2xfsdp2, ring at cp4 and in the others'
+    default) each rank embeds the positions of its 2 of the 2 x cp chunks of the 64 and every
+    block it runs hands on 64 / cp positions: context parallel switched off (every rank on the
+    whole sequence, FSDP averaging the same gradients) gives the same losses, but not this."""
+    assert_sequence_share(trained(name), 2 if name == "ulysses" else 4, 64, cp)
 
 
 def routing(run) -> list[dict[str, str]]:

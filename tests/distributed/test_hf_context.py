@@ -9,11 +9,12 @@ naming the setting."""
 from __future__ import annotations
 
 import pytest
+import transformers  # noqa: F401 (the hf extra: missing, these fail, not skip)
 
 from tests.conftest import QUIET, fw, losses, refused
 from tests.hf_tasks import PlainLlama
+from tests.tasks import assert_sequence_share
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 PLAIN = [
     "task=digits",
@@ -30,6 +31,7 @@ PLAIN = [
     *QUIET,
 ]
 CP2 = ["strategy=fsdp", "strategy.cp=2", "trainer.devices=2"]
+SHARE = "+callbacks.share._target_=tests.tasks.SequenceShare"  # sequence-rank{r}.json
 # 2 stages, each split over 2 cp ranks (which FSDP shards over); 2 microbatches of 4 sequences
 PP2XCP2 = [
     "strategy=pipeline",
@@ -73,10 +75,14 @@ def one_process(tmp_path_factory):
 )
 def test_llama_split_over_the_sequence_trains_as_one_process(one_process, layout, tmp_path):
     """The same losses as one process at the same 8 sequences a step; under a pipeline the
-    decoder layers take the chunks' positions and the stages' loss their shifted labels."""
-    got = train(*layout, cwd=tmp_path)
+    decoder layers take the chunks' positions and the stages' loss their shifted labels. Each
+    rank's rotary embedding takes the positions of its 2 of the 4 chunks of the 16, and its
+    decoder layers hand on 8 positions (the same losses come from every rank computing the
+    whole sequence)."""
+    got = train(*layout, SHARE, cwd=tmp_path)
     assert sorted(got) == sorted(one_process) and len(got) == 10
     assert all(abs(got[s] - one_process[s]) <= 1e-5 for s in got), (got, one_process)
+    assert_sequence_share(tmp_path / "run", 4 if PP2XCP2[0] in layout else 2, 16, 2)
 
 
 @pytest.mark.parametrize(
