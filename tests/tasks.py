@@ -494,6 +494,24 @@ class SequenceShare(pl.Callback):
             json.dump(self.seen, fh)
 
 
+class SharedMemoryModes(pl.Callback):
+    """Writes <run dir>/shm-rank{r}.json at the start of training: the name and permission bits
+    of every file of strategy=hogwild's shared memory this process maps (its name is removed
+    once mapped; the kernel still shows the file through /proc/self/map_files)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        found = {}
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                if "/fw-hogwild-" in line:
+                    span, name = line.split()[0], line.split(None, 5)[5].strip()
+                    mode = os.stat(f"/proc/self/map_files/{span}").st_mode & 0o7777
+                    found[name] = oct(mode)
+        out = os.path.join(trainer.default_root_dir, f"shm-rank{trainer.global_rank}.json")
+        with open(out, "w") as fh:
+            json.dump(found, fh)
+
+
 def assert_sequence_share(run, ranks: int, length: int, cp: int) -> None:
     """Every rank of a run with `SequenceShare` held 2 of the 2 x cp equal chunks of each
     sequence of `length`, chunks r and 2cp-1-r, in every block it ran and in the positions it

@@ -1,6 +1,7 @@
 """`strategy=hogwild` through `fw`: one worker is plain sequential SGD bitwise, also across a
 resume; two workers share one set of parameters and train the digits recipe to
-0.9 validation accuracy; the shared memory is gone after the run; bad input exits 2.
+0.9 validation accuracy; the shared memory is mode 0600 and gone after the run; bad input
+exits 2.
 
 With two or more workers the lock-free updates interleave in an order no run repeats, so nothing
 beyond one worker is compared bitwise.
@@ -8,6 +9,7 @@ beyond one worker is compared bitwise.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -49,6 +51,7 @@ TWO_WORKERS = [
     "trainer.devices=2",
     "logger=[csv]",
     "+callbacks.params._target_=tests.tasks.ParametersAtTrainEnd",
+    "+callbacks.shm._target_=tests.tasks.SharedMemoryModes",  # shm-rank{r}.json
 ]
 
 
@@ -109,6 +112,10 @@ def test_two_workers_share_one_model_and_reach_090_accuracy(tmp_path):
     finally:
         orphan.unlink(missing_ok=True)
     assert not shared_files() - before, "the run's shared memory leaves no file"
+    # the one file both workers map, readable and writable by the job's user only
+    modes = [json.loads((run / f"shm-rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(modes[0]) == 1 and modes[0] == modes[1], modes
+    assert list(modes[0].values()) == ["0o600"], modes
     acc = [float(r["val/acc"]) for r in read_metrics(run) if r.get("val/acc")]
     assert len(acc) == 4 and acc[-1] >= 0.9, acc
     # No gradient or parameter is ever communicated, the workers' gradients differ (their
