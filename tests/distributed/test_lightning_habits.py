@@ -8,6 +8,7 @@ import sqlite3
 
 import pytest
 
+from framework import predictions
 from framework.checkpoint import disk
 from framework.runtime.evaluation import read_results
 from tests.conftest import QUIET, fw, read_metrics
@@ -75,9 +76,29 @@ def test_max_time_stops_the_run_and_leaves_a_resumable_checkpoint(workdir):
 
 
 def test_fast_dev_run_true_runs_one_batch_and_keeps_nothing(workdir):
-    result = train(*DIGITS, "trainer.fast_dev_run=true", "run.dir=run", cwd=workdir)
+    """Also the last line's note: the digits data has a test split, this task no test_step."""
+    plain = ["task._target_=tests.tasks.PlainDigits", "~task.model.dropout", "~task.model.hidden"]
+    args = [*DIGITS, *plain, "trainer.fast_dev_run=true", "run.dir=run"]
+    result = train(*args, cwd=workdir)
     assert "Run finished at step 1" in result.stderr
+    assert "DigitsDataModule has a test_dataloader but PlainDigits defines no test_step" in (
+        result.stderr
+    )
     assert not list((workdir / "run" / "checkpoints").glob("step*")), "no checkpoint"
+
+
+def test_fw_predict_on_the_gpt_recipe_samples_text(workdir):
+    tiny = ["experiment=gpt_tiny", "logger=[csv]", *QUIET, "task.model.sample_length=8"]
+    result = train(*tiny, "trainer.max_steps=2", "run.dir=run", cwd=workdir)
+    assert "test it with fw test" in result.stderr
+    prompts = ["+task.data.prompts=['def main(','import ']"]
+    out = fw("predict", "run", *prompts, *QUIET, cwd=workdir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    texts = predictions.read(workdir / "run")
+    assert len(texts) == 2 and texts[0].startswith("def main(") and texts[1].startswith("import ")
+    assert all(
+        len(t.encode()) >= len(p) + 8 for t, p in zip(texts, ["def main(", "import "], strict=True)
+    )
 
 
 def test_test_after_fit_tests_the_best_checkpoint(workdir):
