@@ -10,12 +10,12 @@ find that run again and log to it. Needs the `mlflow-skinny` package (`pip insta
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 
 from framework.config.fields import doc
 from framework.errors import ConfigError
+from framework.loggers import installed
 
 
 @dataclass
@@ -32,11 +32,7 @@ class Config:
 
 
 def validate(cfg: Config, world) -> None:
-    try:
-        found = importlib.util.find_spec("mlflow") is not None
-    except ValueError:
-        found = False
-    if not found:
+    if not installed("mlflow"):
         raise ConfigError(
             "logger.mlflow",
             cfg.kind,

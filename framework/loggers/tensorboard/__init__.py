@@ -7,12 +7,12 @@ It needs the `tensorboardX` package (`pip install 'framework[tensorboard]'`) or 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 from framework.config.fields import doc
 from framework.errors import ConfigError
+from framework.loggers import installed
 
 
 @dataclass
@@ -25,20 +25,13 @@ class Config:
 
 
 def validate(cfg: Config, world) -> None:
-    if not any(_installed(name) for name in ("tensorboard", "tensorboardX")):
+    if not any(installed(name) for name in ("tensorboard", "tensorboardX")):
         raise ConfigError(
             "logger.tensorboard",
             cfg.kind,
             "neither tensorboardX nor tensorboard is installed",
             hint="Install it with `pip install 'framework[tensorboard]'`.",
         )
-
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ValueError:
-        return False
 
 
 def build(cfg: Config, ctx):

@@ -214,22 +214,18 @@ class ParallelStrategy(StrategyBase, ModelParallelStrategy):
         return loss
 
     def validation_step(self, *args, **kwargs):
-        if self.pipeline is None:
-            with self.loss_context(), context.running(self.context):
-                args = self.sequence_chunks(args)
-                return plain(super().validation_step(*args, **kwargs))
-        return self.pipeline_evaluation(args, "val/loss")
+        return self.evaluation_step(super().validation_step, args, kwargs, "val/loss")
 
     def test_step(self, *args, **kwargs):
+        return self.evaluation_step(super().test_step, args, kwargs, "test/loss")
+
+    def evaluation_step(self, step, args: tuple, kwargs: dict, name: str):
+        """The task's own step (`step`: Lightning's, which calls it), or under a pipeline, where
+        no process holds the whole model, each stage on the whole batch in turn with the task's
+        `loss` logged as `name`."""
         if self.pipeline is None:
             with self.loss_context(), context.running(self.context):
-                args = self.sequence_chunks(args)
-                return plain(super().test_step(*args, **kwargs))
-        return self.pipeline_evaluation(args, "test/loss")
-
-    def pipeline_evaluation(self, args: tuple, name: str):
-        """Under a pipeline the task's own step cannot run (no process holds the whole model):
-        each stage runs the whole batch in turn and the task's `loss` is logged as `name`."""
+                return plain(step(*self.sequence_chunks(args), **kwargs))
         with context.running(self.context):
             batch = self.sequence_chunks(args)[0]
             loss = self.pipeline.validation_step(batch, self.precision_plugin.val_step_context)
