@@ -99,12 +99,25 @@ class _DropNoise(logging.Filter):
         return not str(record.msg).startswith(NOISE)
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record is emitted: a redirect made after setup (by
+    a caller of framework.cli.main, a notebook's capture) is followed, not a closed stream."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(rank: int | None = None) -> None:
     """`framework` logs at INFO on rank 0 (WARNING elsewhere); known third-party noise is dropped."""
     rank = global_rank() if rank is None else rank
     logger = logging.getLogger("framework")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("[fw] %(message)s"))
         handler.addFilter(SCRUB)
         logger.addHandler(handler)
@@ -116,6 +129,11 @@ def setup_logging(rank: int | None = None) -> None:
     redact_uncaught()
     threading.excepthook = _print_thread_exception
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # torchao (trainer.float8; transformers imports it too once it is installed) says at import
+    # that its CUDA kernels' libraries cannot load on a CPU machine, and torch that the enums it
+    # registers need no registering: neither concerns a run
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")

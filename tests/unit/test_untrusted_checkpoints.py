@@ -136,3 +136,139 @@ def test_export_writes_through_no_planted_symlink(own_run, tmp_path, capsys):
     assert main(["export", str(own_run), str(out)]) == 0, capsys.readouterr().err
     assert victim.read_text() == "untouched"
     assert not out.is_symlink() and torch.load(out, weights_only=True)
+
+
+def dcp_with_payload_entry(source: Path, state: Path, marker: Path) -> None:
+    """A DCP directory whose byte entry (a param group setting) holds the payload: a copy of a
+    real DCP checkpoint's files with that entry's bytes replaced in its .distcp file and the
+    metadata's recorded length updated (the pickle of the metadata itself stays data)."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from framework.checkpoint import safe
+
+    shutil.copytree(source, state)
+    md = safe.load_pickle(state / ".metadata", safe.DCP_GLOBALS, "metadata")
+    key = next(k for k in md.state_dict_metadata if ".param_groups." in k)
+    info = md.storage_data[MetadataIndex(key)]
+    buffer = io.BytesIO()
+    torch.save(Payload(marker), buffer)
+    payload = buffer.getvalue()
+    shard = state / info.relative_path
+    data = shard.read_bytes()
+    shard.write_bytes(data + payload)
+    info.offset, info.length = len(data), len(payload)
+    (state / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_a_pickle_in_a_dcp_shards_byte_entry_runs_nothing(tmp_path, monkeypatch, capsys):
+    """A byte entry of a .distcp shard is unpickled by torch's own load planner without
+    restriction; the framework's reader refuses it, at the check before launch and on export."""
+    from framework.cli import main
+
+    fixture = Path(__file__).parents[1] / "fixtures" / "checkpoints" / "dcp"
+    run = tmp_path / "run"
+    shutil.copytree(fixture, run, symlinks=True)
+    ckpt = run / "checkpoints" / "step00000010"
+    meta = disk.read_meta(ckpt)
+    meta.pop("files")
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    tmp.mkdir()
+    marker = tmp_path / "ran"
+    dcp_with_payload_entry(ckpt / "state.ckpt", tmp / "state.ckpt", marker)
+    shutil.rmtree(ckpt)
+    disk.commit(tmp, meta)
+    assert main(["export", str(run), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "loading it could run code" in err and "names io.open" in err, err
+    assert not marker.exists()
+
+
+def test_a_legacy_pickle_file_is_never_read(own_run, tmp_path, capsys):
+    """A torch file in the legacy (non-zip) format is one pickle (DeepSpeed's loaders would
+    unpickle it, whatever its first byte): refused."""
+    from framework.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(own_run, run, symlinks=True)
+    ckpt = run / "checkpoints" / STEP
+    marker = tmp_path / "ran"
+    state = ckpt / "state.ckpt"
+    state.write_bytes(pickle.dumps(Payload(marker), protocol=0))  # starts with "c", not \x80
+    meta = disk.read_meta(ckpt)
+    meta.pop("files")
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.move(ckpt, tmp)
+    (tmp / "meta.json").unlink()
+    disk.commit(tmp, meta)
+    assert main(["export", str(run), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "not a zip-format torch file" in err, err
+    assert not marker.exists()
+
+
+def test_a_link_inside_a_checkpoint_is_refused(own_run, tmp_path, capsys):
+    """A symlinked folder inside the checkpoint (which a walk of its files would not enter, and
+    a loader would follow) is refused before anything is read."""
+    from framework.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(own_run, run, symlinks=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "checkpoints" / STEP / "extra").symlink_to(elsewhere, target_is_directory=True)
+    assert main(["export", str(run), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "is a link, which a checkpoint never holds" in err, err
+
+
+def test_what_is_checked_is_what_is_loaded(own_run, tmp_path, capsys):
+    """meta.json's 'state' no longer chooses the file: the format names where its state lies
+    (a crafted meta pointing the check at a harmless file changes nothing); DeepSpeed's tag
+    file naming a path outside the checkpoint is refused."""
+    from framework.checkpoint import formats
+    from framework.checkpoint.portable import NotPortable
+    from framework.checkpoint.safe import UnsafeCheckpoint
+    from framework.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(own_run, run, symlinks=True)
+    ckpt = run / "checkpoints" / STEP
+    marker = tmp_path / "ran"
+    (ckpt / "harmless.ckpt").write_bytes((ckpt / "state.ckpt").read_bytes())
+    torch.save({"state_dict": {}, "callbacks": Payload(marker)}, ckpt / "state.ckpt")
+    meta = disk.read_meta(ckpt)
+    meta.pop("files")
+    tmp = ckpt.with_name(ckpt.name + ".tmp")
+    shutil.move(ckpt, tmp)
+    (tmp / "meta.json").unlink()
+    disk.commit(tmp, {**meta, "state": "harmless.ckpt"})
+    assert main(["export", str(run), str(tmp_path / "out.pt")]) == 2
+    assert "names io.open" in capsys.readouterr().err
+    assert not marker.exists()
+    ds = tmp_path / "ds" / "state.ckpt"
+    ds.mkdir(parents=True)
+    (ds / "latest").write_text(str(tmp_path / "elsewhere"))
+    with pytest.raises((UnsafeCheckpoint, NotPortable), match="not a file of the checkpoint"):
+        formats.named("deepspeed").open(ds)
+
+
+def test_restarts_and_planted_checkpoints_are_checked(own_run, tmp_path, monkeypatch, capsys):
+    """An automatic restart resumes from the newest checkpoint only once it reads as data, and a
+    run directory holding checkpoints but no config.yaml (planted, not a run of this framework)
+    is refused rather than loaded on the first restart."""
+    from framework.launch.restarts import WorkerFailure, with_restarts
+
+    run = crafted(own_run, tmp_path / "c", "lightning", tmp_path / "ran")
+    starts = []
+    with pytest.raises(WorkerFailure, match="to restart from is refused.*names io.open"):
+        with_restarts(1, run, None, lambda attempt, ckpt: starts.append(ckpt) or "failed")
+    assert starts == [None] and not (tmp_path / "ran").exists()
+    capsys.readouterr()  # the restart's warning
+    (run / "config.yaml").unlink()
+    work = tmp_path / "w"
+    work.mkdir()
+    shutil.move(run, work / "run")
+    err = refused(["task.model.hidden=16", *QUIET], work, monkeypatch, capsys)
+    assert "holds checkpoints but no config.yaml" in err, err
