@@ -32,8 +32,6 @@ from benchmarks.common import FW, load_average, run_checked, save_results
 SIZES = {25: {"n_layer": 6, "n_embd": 576}, 100: {"n_layer": 8, "n_embd": 1024}}
 STRATEGIES = ("fsdp", "zero3", "tensor")
 COMMON = [
-    "task=gpt",
-    "task.model.block_size=64",
     "task.data.block_size=64",
     "task.data.max_bytes=100000",
     "task.data.batch_size=2",
@@ -48,7 +46,8 @@ COMMON = [
 def gpt_args(size: int) -> list[str]:
     shape = SIZES[size]
     heads = shape["n_embd"] // 64
-    return [f"task.model.{k}={v}" for k, v in shape.items()] + [f"task.model.n_head={heads}"]
+    model = [f"task.model.{k}={v}" for k, v in shape.items()] + [f"task.model.n_head={heads}"]
+    return ["task=gpt", "task.model.block_size=64", *model]
 
 
 def state_bytes(size: int) -> tuple[int, int]:
