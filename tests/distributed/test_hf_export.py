@@ -263,6 +263,7 @@ def test_nothing_the_run_directory_names_is_imported_or_built(runs, tmp_path, ca
     }
     meta_path.write_text(json.dumps(meta))
     assert main(["export", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    capsys.readouterr()  # the export's own report
     assert not (tmp_path / "x").exists()
     for named in ("Popen", "AutoTokenizer", "os.system"):
         meta["models"]["transformers"][0]["class"] = named

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "framework.memory",
             "framework.lr_scaling",
             "framework.perf",
+            "framework.predictions",  # the reader of a run's predictions folder
             "framework.processes",
             "framework.rng",
             "framework.secrets",
@@ -43,7 +44,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "task",
-        ("framework", "framework.data", "framework.instantiate", "framework.nn", "framework.task"),
+        (
+            "framework",
+            "framework.data",
+            "framework.instantiate",
+            "framework.nn",
+            "framework.optim",
+            "framework.task",
+        ),
     ),
     ("parallel", ("framework.parallel", "framework.integrations")),
     (
@@ -51,6 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "framework.config",
             "framework.context",
+            "framework.loggers.targets",  # a logger's _target_ and arguments, checked
             "framework.plugins",
             "framework.checkpoint.resume",
             "framework.strategy_base",
@@ -82,6 +91,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "commands",
         (
             "framework.checkpoint.export",
+            "framework.evaluate",
             "framework.integrations.hf.export",
             "framework.help",
             "framework.plot",

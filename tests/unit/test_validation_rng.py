@@ -21,10 +21,16 @@ def draw() -> tuple:
 
 @pytest.mark.parametrize("sanity_checking", [True, False])
 def test_training_draws_the_same_numbers_after_a_validation_that_draws(sanity_checking, tmp_path):
-    checkpointer = Checkpointer(SimpleNamespace(every_n_steps=5), SimpleNamespace(run_dir=tmp_path))
+    checkpointer = Checkpointer(
+        SimpleNamespace(every_n_steps=5, monitor=None), SimpleNamespace(run_dir=tmp_path)
+    )
     # step 3, no checkpoint due: the hooks do nothing but the RNG's
     trainer = SimpleNamespace(
-        sanity_checking=sanity_checking, global_step=3, is_global_zero=False, loggers=[]
+        sanity_checking=sanity_checking,
+        global_step=3,
+        is_global_zero=False,
+        loggers=[],
+        callback_metrics={},
     )
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     expected = draw()
