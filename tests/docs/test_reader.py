@@ -92,3 +92,41 @@ def test_the_suites_test_names_are_found():
     names = suite_names()
     assert "test_reader" in names and "test_the_check_finds_each_kind_on_its_line" in names
     assert "test_step" not in names
+
+
+def cli_commands(capsys) -> list[str]:
+    """The commands the CLI dispatches, from its own answer to an unknown command."""
+    from framework.cli import main
+
+    assert main(["no-such-command"]) == 2
+    choices = re.search(r"Valid choices: (.*)\.$", capsys.readouterr().err.strip())
+    assert choices is not None
+    return choices.group(1).split(", ")
+
+
+def usage(command: str, capsys) -> str:
+    """The usage lines `fw COMMAND --help` prints: `usage:` and its indented continuation."""
+    from framework.cli import main
+
+    assert main([command, "--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("usage: fw "))
+    end = start + 1
+    while end < len(lines) and lines[end].startswith("    "):
+        end += 1
+    return "\n".join(lines[start:end])
+
+
+def test_the_commands_page_gives_every_command_its_usage_as_fw_prints_it(capsys):
+    """A new command, or a changed usage, fails here until docs/commands.md says it."""
+    page = (REPO / "docs" / "commands.md").read_text()
+    commands = cli_commands(capsys)
+    assert {"train", "test", "export", "calibrate"} <= set(commands), commands
+    headings = " ".join(re.findall(r"^## (.*)$", page, flags=re.M))
+    table = page.split("\n## ", 1)[0]
+    for command in commands:
+        assert f"fw {command}" in headings, f"no heading for fw {command}"
+        assert f"`fw {command}`" in table, f"fw {command} is missing from the table"
+        assert f"```\n{usage(command, capsys)}\n```" in page, f"fw {command}: usage differs"
+    named = set(re.findall(r"\bfw (\w+)", headings))
+    assert named <= set(commands), named - set(commands)
