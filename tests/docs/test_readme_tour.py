@@ -72,7 +72,7 @@ def test_the_tour_runs_as_written(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     project = tmp_path / "my_project"
     runs = sorted(p.name for p in (project / "runs").iterdir())
-    assert len(runs) == 2 and "first" in runs, runs  # the first run's dated directory, first
+    assert len(runs) == 3 and "first" in runs, runs  # two dated directories, and first
     assert "test/acc" in (project / "runs/first/test.csv").read_text().splitlines()[0]
     state = torch.load(project / "model.pt", weights_only=True)
     assert sorted(state) == ["net.bias", "net.weight"], "the fsdp run, exported whole"

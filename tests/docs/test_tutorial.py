@@ -85,7 +85,7 @@ def test_the_evaluations_write_what_the_page_says(tutorial):
     run = root / "my_project/runs/fsdp"
     for name, metric in (("validate.csv", "val/acc"), ("test.csv", "test/acc")):
         assert metric in (run / name).read_text().splitlines()[0], name
-    assert "ddp x 1" in result.stdout, "tested on one process"
+    assert "step00000024 (step 24), ddp x 1" in result.stdout, "the resumed run, one process"
     assert sorted(p.name for p in (run / "predictions").iterdir()) == [
         "rank00000.pt",
         "rank00001.pt",
