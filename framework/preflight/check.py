@@ -174,13 +174,16 @@ def representative(dims, chosen: list[int] | None, quick: bool = False) -> list[
 def simulate(
     cfg: DictConfig, plan: JobPlan, batch: Any, chosen: list[int] | None, quick: bool = False
 ) -> CheckReport:
+    from framework.parallel import float8
     from framework.parallel.transforms import ModelTransforms
     from framework.plugins import capability
     from framework.preflight import simulate as sim
 
     kind = cfg.strategy.kind
     plugin, strategy, world, dims = plan.strategy_plugin, plan.strategy, plan.world, plan.dims
-    transforms = ModelTransforms(cfg.trainer.activation_checkpointing, False)
+    transforms = ModelTransforms(
+        cfg.trainer.activation_checkpointing, False, float8.settings_for(cfg.trainer, world.is_cuda)
+    )
     notes = []
     if cfg.trainer.compile:
         notes.append("trainer.compile is not applied in the check (eager memory is shown).")
@@ -224,13 +227,16 @@ def check_placement(cfg: DictConfig, plan: JobPlan, batch: Any, chosen: list[int
     the first rank of each pipeline position, which differ in their stages (the others only in
     shard sizes). The other strategies move the whole module with Lightning's or DeepSpeed's
     own setup."""
+    from framework.parallel import float8
     from framework.parallel.transforms import ModelTransforms
     from framework.preflight.devices import placement_errors, refuse
 
     strategy, dims = plan.strategy, plan.dims
     if dims is None:
         return
-    transforms = ModelTransforms(cfg.trainer.activation_checkpointing, False)
+    transforms = ModelTransforms(
+        cfg.trainer.activation_checkpointing, False, float8.settings_for(cfg.trainer, True)
+    )
     for rank in representative(dims, chosen, quick=True):
         errors = failing_rank(
             rank,

@@ -18,7 +18,11 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
   embeddings and the loss then run whole on every tensor-parallel rank: counted on real
   tensors, a tp=2 rank of the benchmarks' gpt touches 0.85 of a replica's bytes, gpt_tiny's
   0.94), else 1/(tp x pp) as before (under sequence parallel gpt_tiny's rank counts 1.02, the
-  redistributions' copies included: not settled at scale).
+  redistributions' copies included: not settled at scale). Under `trainer.float8` the float8
+  layers' matmuls (torchao's `_scaled_mm`, counted apart) run at the device's stated float8
+  peak (`fp8` in its table: a prediction from the datasheet, at the same share of the peak as
+  the other matmuls, not a measurement), and the casts before them are other bytes; a
+  device with no float8 rate (an A100, a calibration file) is refused for a float8 job.
 - communication: the bytes per collective the plan lists (traffic.traffic: the plugin's
   data-parallel bytes, 4bsh per layer for tensor parallel, 2bsh per stage boundary, the
   experts' all-to-all, context parallel's K/V), each over the link its group crosses
@@ -33,9 +37,14 @@ step = compute + exposed communication + pipeline bubble + optimizer step + data
 - bubble: the schedule's idle share, compute x (p - 1) / (v x m) for p stages, m microbatches
   and v stages per rank (gpipe and 1f1b: v = 1).
 - optimizer step: memory-bound, the rank's parameters, gradients and optimizer state read and
-  the parameters and state written again, over the memory bandwidth; plus the launches of the
-  operations the task's optimizer runs (counted on fake tensors, `count_optimizer_step`: on the
-  CPU torch's AdamW loops over the parameters, about 9 operations each).
+  the parameters and state written again, over the memory bandwidth (Muon's state is one
+  momentum per hidden matrix, AdamW's two moments for the rest, as fw check counts it); plus
+  the matmuls the step runs on the simulated rank (Muon's Newton-Schulz, its own share of the
+  matrices: framework/preflight/optimizer_work.py) at the matmul rate of their dtype; plus the
+  launches of the operations the task's optimizer runs (counted on fake tensors,
+  `count_optimizer_step`: on the CPU torch's AdamW loops over the parameters, about 9
+  operations each). Muon's exchange of whole matrices under sharded layouts is communication
+  (`optimizer` traffic, blocking: it runs after backward).
 - the values the task logs with `sync_dist` (counted in its training_step): a blocking
   all-reduce of a scalar each, over every process, at every step (communication term).
 - data wait: 0 unless the calibration measured one.
@@ -146,6 +155,9 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     dtype = matmul_dtype(layout["precision"])
     peak = device.peak(dtype)
     flops = work.flops / share
+    float8 = work.float8_flops / share  # the float8 layers' matmuls, split as the others
+    if float8 and "fp8" not in device.tflops:
+        raise no_float8(device)
     # without sequence parallel, norms, residual adds, embeddings and the loss run whole on
     # every tensor-parallel rank (a layout that does not say keeps the old split)
     spread = share if layout.get("sequence_parallel", True) else pp
@@ -155,8 +167,10 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     each = other / (work.other_ops / pp) if work.other_ops else 0.0
     # the size of one matmul: tensor parallel splits each, a pipeline takes its share of them
     call = (work.flops - work.attention_flops) / tp / work.matmuls if work.matmuls else 0.0
+    efficiency = device.matmul_efficiency(call)
     busy = (
-        (flops - attention) / (peak * device.matmul_efficiency(call))
+        (flops - attention - float8) / (peak * efficiency)
+        + (float8 / (device.peak("fp8") * efficiency) if float8 else 0.0)
         + attention / device.attention_rate(dtype)
         + other / device.elementwise_rate(each)
     )
@@ -178,12 +192,41 @@ def predict(work: Work, layout: dict[str, Any], device: Device) -> Prediction:
     optimizer = (2 * states["params"] + states["grads"] + 2 * states["optimizer"]) / (
         device.hbm_gb_per_s * 1e9
     )
+    optimizer += optimizer_matmuls_s(layout, device)
     # the launches of its operations: a rank steps each of its stage's tensors (or shards)
     ops = work.optimizer_ops / pp * device.op_overhead_s
     optimizer = optimizer + ops if device.accelerator == "cpu" else max(optimizer, ops)
     tokens = (work.tokens or work.rows) * layout["data_ranks"]
     return Prediction(
         compute, comm, bubble, optimizer, device.data_wait_s, flops, tokens, peak, host
+    )
+
+
+def optimizer_matmuls_s(layout: dict[str, Any], device: Device) -> float:
+    """Seconds of the matmuls the rank's optimizer step runs (`optimizer_flops` by dtype, as
+    counted on the simulated rank: Muon's Newton-Schulz, bf16 unless `ns_dtype` says float32),
+    each dtype at its peak times the share matmuls of their size reach."""
+    flops = layout.get("optimizer_flops") or {}
+    calls = layout.get("optimizer_matmuls") or 0
+    if not calls:
+        return 0.0
+    efficiency = device.matmul_efficiency(sum(flops.values()) / calls)
+    return sum(n / (device.peak(dtype) * efficiency) for dtype, n in flops.items())
+
+
+def no_float8(device: Device):
+    """The ConfigError for a float8 job planned on a device without a float8 matmul rate."""
+    from framework.errors import ConfigError
+
+    where = "its calibration file" if device.measured else "its datasheet figures"
+    return ConfigError(
+        "trainer.float8",
+        device.name,
+        f"has no float8 matmul rate in {where}: float8 training needs a GPU of compute "
+        "capability 8.9 or newer (Ada Lovelace, Hopper, Blackwell), and fw calibrate does "
+        "not measure float8",
+        hint="Plan with --gpu H100, H200, B200 or L40S, or plan this job in bf16 "
+        "(trainer.float8=none).",
     )
 
 
@@ -291,6 +334,13 @@ def exposed_comm(
     pipe = 0.0
     if p2p:
         pipe = p2p / (link.gb_per_s * 1e9) + layout["pipeline_receives"] * link.latency_s
+    # Muon's exchange of whole matrices after backward (its all-to-alls' latency is in the
+    # host term, which counts the collectives the simulated optimizer step issues): blocking,
+    # over the data-parallel group's link where it shards, else the tensor group's
+    exchange = traffic.get("optimizer", 0.0)
+    if exchange:
+        group = "data" if sizes["data"] > 1 else "tensor"
+        blocking += exchange / (link_of(group, layout, device, gap_s).gb_per_s * 1e9)
     # context parallel's K/V: the bytes that leave the rank (traffic.context_bytes), blocking
     kv = traffic.get("context", 0.0)
     if kv:

@@ -208,7 +208,12 @@ def plan_command(args: list[str], parse) -> int:
         raise ConfigError("-m", "multirun", "fw plan plans one job; give one value per key")
     from framework.config.compose import compose_config
 
-    compose_config(overrides, dirs)  # a misspelled key is named here, not left out of each layout
+    composed = compose_config(overrides, dirs)  # a misspelled key is named here, not per layout
+    float8 = composed.trainer.get("float8", "none") not in (None, "none")
+    if float8 and device is not None and device.accelerator != "cpu" and "fp8" not in device.tflops:
+        from framework.preflight.perf import no_float8
+
+        raise no_float8(device)  # before every layout is checked for nothing
     options, refused = plan(overrides, int(gpus), gpu_mem, dirs, device)
     if device is None:
         sys.stdout.write(table(options, refused, overrides, int(gpus)) + "\n")
@@ -224,6 +229,11 @@ def plan_command(args: list[str], parse) -> int:
             sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         else:
             sys.stdout.write(time_table(rows, refused, device, int(gpus), world) + "\n")
+            if float8 and device.accelerator != "cpu":
+                sys.stdout.write(
+                    f"The float8 layers' matmuls are predicted from the {device.name}'s stated "
+                    "float8 peak (its datasheet), not measured.\n"
+                )
             if measure is not None and rows:
                 from framework.preflight.measure import comparison
 

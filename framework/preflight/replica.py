@@ -29,6 +29,7 @@ class Work:
     optimizer_ops: int = 0  # operations the optimizer's step launches (0: not counted)
     other_ops: int = 0  # operations among `ops` whose bytes make `other_bytes`
     matmuls: int = 0  # operations among `ops` with a FLOP formula, the fused attention aside
+    float8_flops: float = 0.0  # the part of `flops` float8 matmuls compute (trainer.float8)
 
 
 def counting_mode():
@@ -52,7 +53,7 @@ def counting_mode():
         def __init__(self) -> None:
             super().__init__()
             self.flops = self.bytes = 0
-            self.attention_flops = 0
+            self.attention_flops = self.float8_flops = 0
             self.ops = self.other_ops = self.matmuls = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -70,6 +71,8 @@ def counting_mode():
                     self.attention_flops += flops
                 else:
                     self.matmuls += 1
+                    if is_float8_matmul(packet.__name__, args):
+                        self.float8_flops += flops
             elif packet.__name__ not in free:
                 tensors = [t for t in tree_leaves((args, kwargs, out)) if torch.is_tensor(t)]
                 self.bytes += sum(t.numel() * t.element_size() for t in tensors)
@@ -77,6 +80,22 @@ def counting_mode():
             return out
 
     return Counting()
+
+
+FLOAT8_MATMULS = {"_scaled_mm", "_scaled_grouped_mm"}  # float8 matmuls on a GPU
+
+
+def is_float8_matmul(name: str, args) -> bool:
+    """Whether a matmul runs in float8 on the GPU: torch's float8 kernels, or a matmul of
+    torchao's float8 tensors (their `mm` dispatches `_scaled_mm`, which a mode outside it does
+    not see), unless torchao emulates it (the CPU: ordinary matmuls)."""
+    if name in FLOAT8_MATMULS:
+        return True
+    for a in args:
+        config = getattr(a, "_linear_mm_config", None)
+        if type(a).__name__ == "Float8TrainingTensor" and config is not None:
+            return not config.output.emulate
+    return False
 
 
 def is_attention(name: str) -> bool:
@@ -88,10 +107,14 @@ def is_attention(name: str) -> bool:
 
 def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
     """One whole replica's optimizer step (forward, backward, with the job's activation
-    checkpointing and precision) counted on fake tensors; a model whose shapes depend on the
-    data (routed experts) is counted on real tensors when small, else estimated at 6 FLOPs per
-    active parameter (`active_parameters`) and token."""
+    checkpointing, float8 layers and precision) counted on fake tensors; a model whose shapes
+    depend on the data (routed experts) is counted on real tensors when small, else estimated
+    at 6 FLOPs per active parameter (`active_parameters`) and token. Float8 layers run as on the
+    job's device: on a GPU torchao's float8 matmuls (`_scaled_mm`, counted apart in
+    `float8_flops`) and the casts before them (other bytes); on the CPU its emulation
+    (ordinary matmuls on float8-rounded operands)."""
     from framework.callbacks.throughput.callback import sizes_in
+    from framework.parallel import float8
     from framework.parallel.transforms import ModelTransforms
     from framework.preflight import fakes
     from framework.preflight import simulate as sim
@@ -100,17 +123,19 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
     max_real_params = REAL_COUNT_PARAMS if max_real_params is None else max_real_params
     rows, tokens = sizes_in(batch)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
+    cuda = str(cfg.trainer.get("accelerator")) != "cpu"
     mode = sim.fake_mode()
     with sim._quiet_logging():
         task = sim.build_fake_task(cfg.task, mode, cfg.trainer.precision)
-        ModelTransforms(cfg.trainer.activation_checkpointing, False).apply(task)
+        settings = float8.settings_for(cfg.trainer, cuda)
+        ModelTransforms(cfg.trainer.activation_checkpointing, False, settings).apply(task)
         counter = counting_mode()
         synced = count_synced_logs(task)
         try:
             with sim.autocast(cfg.trainer.precision), counter:
                 sim.whole_step(task, fakes.fake_batch(mode, batch), False)()
             how = "fake tensors"
-            stepped = count_optimizer_step(task, str(cfg.trainer.get("accelerator")) != "cpu")
+            stepped = count_optimizer_step(task, cuda)
         except fakes.data_dependent():
             n = sum(p.numel() for p in task.parameters())
             found = [0]  # the optimizer's launches, counted on the real task
@@ -135,6 +160,7 @@ def count_replica(cfg, batch, max_real_params: float | None = None) -> Work:
         stepped,
         counter.other_ops * accumulate,
         counter.matmuls * accumulate,
+        float(counter.float8_flops) * accumulate,
     )
 
 

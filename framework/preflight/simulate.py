@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from framework.parallel.context import plan_of
 from framework.preflight import fakes
 from framework.preflight.fakes import copyable_fakes, fake_mode, fake_world
+from framework.preflight.optimizer_work import exchange_bytes, muon_bytes
 from framework.preflight.pipeline_rank import in_flight, pipeline_cut, stage_steps
 
 log = logging.getLogger("framework.preflight")
@@ -46,6 +47,12 @@ class RankMemory:
     # calls that cost the host time (framework.preflight.counting.host_counting): forward and
     # backward of one microbatch, and the optimizer step's with the prefix optimizer_
     host: dict[str, int] = field(default_factory=dict)
+    # the optimizer step's matmul FLOPs by dtype (Muon's Newton-Schulz) and how many matmuls,
+    # and the bytes its step sends (Muon's exchange): framework/preflight/optimizer_work.py
+    optimizer_flops: dict[str, float] = field(default_factory=dict)
+    optimizer_matmuls: int = 0
+    optimizer_sent: float = 0.0
+    muon_bytes: int = 0  # the bytes of the matrices Muon steps that the rank holds
 
     @property
     def model_states(self) -> int:
@@ -128,13 +135,15 @@ def step_as_on_cuda(optimizer) -> None:
 
 def step(
     task, optimizer, run_backward, precision: str, mode=None
-) -> tuple[int | None, int, int, int, dict]:
+) -> tuple[int | None, int, int, int, dict, Any]:
     """One step under MemTracker, in two phases: (activations at forward and backward's peak,
     the optimizer step's temporaries, grads' bytes, optimizer state's bytes, the host's calls
-    of each phase). A step whose shapes depend on the data (a mixture-of-experts layer's tokens
-    per expert) cannot run forward on fake tensors: then the activations are None and the
-    optimizer steps on zero gradients."""
+    of each phase, the optimizer step's matmuls: optimizer_work.matmul_counting). A step whose
+    shapes depend on the data (a mixture-of-experts layer's tokens per expert) cannot run
+    forward on fake tensors: then the activations are None and the optimizer steps on zero
+    gradients."""
     from framework.preflight.counting import host_counting
+    from framework.preflight.optimizer_work import matmul_counting
 
     counter = host_counting()
     try:
@@ -146,11 +155,12 @@ def step(
         held = None
         zero_gradients(task)
     grads = local_bytes(p.grad for p in task.parameters())
-    stepping = host_counting()
-    peak, after = tracked(task, optimizer, counted(stepping, optimizer_step(task, optimizer)))
+    stepping, matmuls = host_counting(), matmul_counting()
+    run_step = counted(stepping, counted(matmuls, optimizer_step(task, optimizer)))
+    peak, after = tracked(task, optimizer, run_step)
     states = local_bytes(v for s in optimizer.state.values() for v in s.values())
     host = {**counter.counts(), **{f"optimizer_{k}": n for k, n in stepping.counts().items()}}
-    return held, max(0, peak["total"] - after["total"]), grads, states, host
+    return held, max(0, peak["total"] - after["total"]), grads, states, host, matmuls
 
 
 def optimizer_step(task, optimizer):
@@ -249,10 +259,15 @@ def replica_rank(
         transforms.apply(task)
         optimizer = optimizer_of(task, cuda)
         run = whole_step(task, fakes.fake_batch(mode, batch), False)
-        held, temporaries, grads, states, host = step(task, optimizer, run, precision, mode)
+        held, temporaries, grads, states, host, matmuls = step(
+            task, optimizer, run, precision, mode
+        )
     params = local_bytes(task.parameters())
     note = UNSIMULATED if held is None else ""
-    return RankMemory(rank, "every rank", params, grads, states, held or 0, temporaries, note, host)
+    return RankMemory(
+        rank, "every rank", params, grads, states, held or 0, temporaries, note, host,
+        matmuls.flops, matmuls.calls, exchange_bytes(optimizer), muon_bytes(optimizer),
+    )  # fmt: skip
 
 
 def activations(peak: dict[str, int]) -> int:
@@ -288,7 +303,9 @@ def parallel_rank(
     built = (task_cfg, trainer_cfg, batch, rank, cfg, dims, transforms, cuda)
     with fake_world(rank, dims.world_size), _quiet_logging():
         task, optimizer, run, role, flight = rank_step(*built, mode)
-        held, temporaries, grads, states, host = step(task, optimizer, run, precision, mode)
+        held, temporaries, grads, states, host, matmuls = step(
+            task, optimizer, run, precision, mode
+        )
         host["fsdp_units"] = fsdp_units(task)
         if held is None and sum(p.numel() for p in task.parameters()) <= REAL_COUNT_PARAMS:
             # shapes that depend on the data (routed experts): forward and backward's calls
@@ -300,7 +317,10 @@ def parallel_rank(
     if held is None:
         note = UNSIMULATED
     activations_held = (held or 0) * flight
-    return RankMemory(rank, role, params, grads, states, activations_held, temporaries, note, host)
+    return RankMemory(
+        rank, role, params, grads, states, activations_held, temporaries, note, host,
+        matmuls.flops, matmuls.calls, exchange_bytes(optimizer), muon_bytes(optimizer),
+    )  # fmt: skip
 
 
 def rank_step(task_cfg, trainer_cfg, batch, rank, cfg, dims, transforms, cuda, mode):

@@ -7,8 +7,10 @@ out): data parallel all-reduces the gradients (2Ψ, Ψ the gradient bytes), ZeRO
 them and all-gather the updated parameters (2Ψ), ZeRO-3 and FSDP gather the parameters again for
 backward (3Ψ), tensor parallel all-reduces activations twice in forward and twice in backward per
 layer (4·b·s·h), a pipeline sends each microbatch's activations forward and their gradients back
-at each stage boundary (2·b·s·h), and mixture-of-experts layers all-to-all the routed tokens there
-and back, forward and backward (4·b·s·k·h per layer). Under context parallel (cp > 1) a rank holds
+at each stage boundary (2·b·s·h), mixture-of-experts layers all-to-all the routed tokens there
+and back, forward and backward (4·b·s·k·h per layer), and a Muon optimizer gathers each sharded
+hidden matrix whole on one rank and scatters the result back (twice the rank's shards of them,
+framework/preflight/optimizer_work.py). Under context parallel (cp > 1) a rank holds
 s/cp positions of each sequence, and its attention sends K/V each layer by `strategy.cp_mode`
 (`context_bytes`: the bytes that leave the rank, forward and backward). The data-parallel bytes
 and the degrees come from the strategy plugin (`data_traffic`, `mesh_dims`:
@@ -39,8 +41,10 @@ def degrees_of(report: CheckReport) -> Any:
 def traffic(cfg: DictConfig, report: CheckReport) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, by the group that sends them: `data` (the
     plugin's data-parallel bytes), `tensor`, `pipeline`, `experts`, `context` (the module
-    docstring); of the rank with the most gradients and parameters."""
-    return sent_by(cfg, report, *largest_states(report))
+    docstring), and `optimizer` (Muon's exchange of whole matrices); of the rank with the most
+    gradients and parameters, and the most the optimizer step sends."""
+    sent = max(r.optimizer_sent for r in report.ranks)
+    return sent_by(cfg, report, *largest_states(report), sent)
 
 
 def largest_states(report: CheckReport) -> tuple[int, int]:
@@ -51,10 +55,12 @@ def largest_states(report: CheckReport) -> tuple[int, int]:
 def rank_traffic(cfg: DictConfig, report: CheckReport, rank: RankMemory) -> dict[str, float]:
     """`traffic` of one checked rank, whose own gradients and parameters the data-parallel
     group reduces and gathers (`fw check`'s sent column)."""
-    return sent_by(cfg, report, rank.grads, rank.params)
+    return sent_by(cfg, report, rank.grads, rank.params, rank.optimizer_sent)
 
 
-def sent_by(cfg: DictConfig, report: CheckReport, grads: int, params: int) -> dict[str, float]:
+def sent_by(
+    cfg: DictConfig, report: CheckReport, grads: int, params: int, optimizer: float = 0.0
+) -> dict[str, float]:
     from framework.plugins import capability
 
     plugin, strategy, world = report.plugin, report.strategy, report.world
@@ -65,7 +71,8 @@ def sent_by(cfg: DictConfig, report: CheckReport, grads: int, params: int) -> di
     model = dict(cfg.task.get("model") or {})
     act = activation_bytes(cfg) / cp  # a cp rank holds s/cp positions of each sequence
     n_layer = int(model.get("n_layer", 0))
-    sent = {"data": float(data), "tensor": 0.0, "pipeline": 0.0, "experts": 0.0, "context": 0.0}
+    sent = {"data": float(data), "tensor": 0.0, "pipeline": 0.0, "experts": 0.0, "context": 0.0,
+            "optimizer": float(optimizer)}  # fmt: skip
     if cp > 1:
         sent["context"] = context_traffic(cfg, strategy.cp_mode, cp, degrees["tp"]) / degrees["pp"]
     if degrees["tp"] > 1:
@@ -202,8 +209,20 @@ def layout_facts(report: CheckReport, per_node: int) -> dict[str, Any]:
         "pipeline_receives": pipeline_receives(pp, micro, virtual),
         "context_collectives": context_collectives(report, cp) * max(1, n_layer // pp) * micro,
         "state_bytes": {"params": worst.params, "grads": worst.grads, "optimizer": worst.optimizer},
+        # the optimizer step's matmuls (Muon's Newton-Schulz) of the rank that runs the most
+        **optimizer_matmuls(report),
         # each simulated rank's host calls per step (simulate.RankMemory.host; perf's host term)
         "host_counts": [r.host for r in report.ranks],
+    }
+
+
+def optimizer_matmuls(report: CheckReport) -> dict[str, Any]:
+    """`optimizer_flops` (by dtype) and `optimizer_matmuls` of the checked rank whose optimizer
+    step runs the most matmul FLOPs (Muon's Newton-Schulz; none for AdamW)."""
+    rank = max(report.ranks, key=lambda r: sum(r.optimizer_flops.values()))
+    return {
+        "optimizer_flops": dict(rank.optimizer_flops),
+        "optimizer_matmuls": rank.optimizer_matmuls,
     }
 
 

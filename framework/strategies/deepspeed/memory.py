@@ -4,6 +4,11 @@ Each rank steps the task's optimizer on its 1/N partition: 1/N of the replica's 
 none on the device when the optimizer is offloaded. Under mixed precision DeepSpeed's own
 estimators give the model states; in fp32 the formulas the memory benchmark verified
 (benchmarks/memory.py). Imports DeepSpeed only for the mixed-precision estimate.
+
+A Muon optimizer (framework/optim/muon.py) keeps one fp32 momentum for its matrices where Adam,
+whom DeepSpeed's estimator assumes, keeps two moments: 4 bytes an element of them less, over N.
+Each rank orthogonalises every N-th matrix of its partitions (1/N of the replica's Newton-Schulz
+FLOPs) and sends its stretches of them to their owners and the results back (twice its 1/N).
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ def zero_states(replica: Any, cfg: Any, precision: str, world: Any) -> tuple[Any
     offload_opt = cfg.offload_optimizer != "none"
     offload_params = cfg.stage == 3 and cfg.offload_params != "none"
     step = 0 if offload_opt else replica.optimizer_step // n
+    replica = replace(
+        replica,
+        optimizer_flops={k: v / n for k, v in replica.optimizer_flops.items()},
+        optimizer_matmuls=-(-replica.optimizer_matmuls // n),
+        optimizer_sent=2 * replica.muon_bytes / n if n > 1 else 0.0,
+    )
     if precision in ("bf16-mixed", "16-mixed"):
         return deepspeed_estimate(replica, cfg, world, offload_opt, offload_params, step)
     # fp32, as benchmarks/memory.py measured: stages 1-2 keep an fp32 copy of their partition
@@ -49,12 +60,14 @@ def deepspeed_estimate(replica, cfg, world, offload_opt: bool, offload_params: b
             psi, world.devices, world.num_nodes, offload_opt
         )
     params = 2 * psi // (world.world_size if cfg.stage == 3 else 1)
+    # Muon's matrices: one fp32 moment where the estimator counts Adam's two
+    muon = 0 if offload_opt else replica.muon_bytes // world.world_size
     row = replace(
         replica,
         role=f"zero{cfg.stage}, every rank",
         params=params,
         grads=0,
-        optimizer=max(0, device - params),
+        optimizer=max(0, device - params - muon),
         optimizer_step=step,
         note="grads in optimizer column",
     )
