@@ -188,8 +188,8 @@ class TrainerConfig:
     compile: bool = doc(False, "torch.compile every block of the model (not the task module).")
     float8: str = doc(
         "none",
-        "Train the linear layers in float8 (torchao, docs/float8.md): tensorwise (one scale per "
-        "tensor), rowwise (per row), rowwise_with_gw_hp (rowwise, weight gradients in high "
+        "Train the linear layers in float8 (torchao; docs/scale.md#4-use-fewer-bytes-per-number): "
+        "tensorwise (one scale per tensor), rowwise (per row), rowwise_with_gw_hp (rowwise, weight gradients in high "
         "precision) or none. Emulated on the CPU; a GPU needs compute capability 8.9+.",
         ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp"),
     )

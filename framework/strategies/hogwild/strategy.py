@@ -11,7 +11,8 @@ A checkpoint is ddp's Lightning file with these differences:
   barrier after the same number of its own steps, so it holds exactly those steps of each;
 - `optimizer_states` holds the workers' optimizer states averaged (what ddp, or any other
   strategy, resumes with);
-- the key `hogwild` holds `optimizers`: every worker's own optimizer state, in rank order.
+- each worker writes its own optimizer state beside it (replicas/rankNNNNN.pt), nothing
+  gathered on one rank.
 Resuming with as many workers gives each its own state back (the checkpointer restores each
 one's RNG and the data position); with another number each starts from the average.
 """
