@@ -218,13 +218,15 @@ def no_float8(device: Device):
     """The ConfigError for a float8 job planned on a device without a float8 matmul rate."""
     from framework.errors import ConfigError
 
-    where = "its calibration file" if device.measured else "its datasheet figures"
+    key, where = (
+        ("--hardware", "its calibration") if device.measured else ("--gpu", "its datasheet")
+    )
     return ConfigError(
-        "trainer.float8",
+        key,
         device.name,
-        f"has no float8 matmul rate in {where}: float8 training needs a GPU of compute "
-        "capability 8.9 or newer (Ada Lovelace, Hopper, Blackwell), and fw calibrate does "
-        "not measure float8",
+        f"has no float8 matmul rate in {where}, and the job sets trainer.float8: float8 "
+        "training needs a GPU of compute capability 8.9 or newer (Ada Lovelace, Hopper, "
+        "Blackwell), and fw calibrate does not measure float8",
         hint="Plan with --gpu H100, H200, B200 or L40S, or plan this job in bf16 "
         "(trainer.float8=none).",
     )
