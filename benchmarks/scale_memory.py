@@ -9,14 +9,14 @@ make the training state, 12 bytes a parameter) and each process count N:
   the kernel counted it read (`io_read`) and its high-water mark's rise while reading;
 - pretrained: a Llama of the same size written with save_pretrained, loaded under the same
   strategies on N processes (run_dir/pretrained/rank<R>.json);
-- export: `fw export` of the resumed checkpoint, its peak above where it started against the
-  model's weights and its largest tensor.
+- export: `fw export` of the resumed fsdp checkpoint, its peak above where it started less that
+  of exporting a tiny gpt's fsdp checkpoint (what any export costs: the reader's imports and
+  buffers), against the model's weights and its largest tensor.
 The ideal of a rank is state / N (what it must keep) plus the largest tensor (what a reader may
 hold at once). Printed per case: held / (state / N), read / held, and (held + the rise beyond
-it) / ideal. ZeRO-3 keeps its partition twice on the CPU (the parameters' and the fp32 master),
-so its held is 4/3 of state / N. Results: benchmarks/results/scale_memory.json.
+it) / ideal. Results: benchmarks/results/scale_memory.json.
 
-Run: `python -m benchmarks.scale_memory [--sizes 25,100] [--procs 1,2]` (part of `make bench`;
+Run: `python -m benchmarks.scale_memory [--sizes 25,100] [--procs 1,2] [--strategies fsdp,zero3,tensor]` (part of `make bench`;
 N = 4 means 8 processes for the training run: `--procs 1,2,4` on a machine with the memory).
 """
 
@@ -29,7 +29,12 @@ from pathlib import Path
 
 from benchmarks.common import FW, load_average, run_checked, save_results
 
-SIZES = {25: {"n_layer": 6, "n_embd": 576}, 100: {"n_layer": 8, "n_embd": 1024}}
+# heads a multiple of 4: the tensor-parallel runs split them over up to 4 writing processes
+SIZES = {
+    25: {"n_layer": 6, "n_embd": 576, "n_head": 12},
+    100: {"n_layer": 8, "n_embd": 1024, "n_head": 16},
+}
+TINY = {"n_layer": 1, "n_embd": 64, "n_head": 4}  # the export's baseline
 STRATEGIES = ("fsdp", "zero3", "tensor")
 COMMON = [
     "task.data.block_size=64",
@@ -44,9 +49,7 @@ COMMON = [
 
 
 def gpt_args(size: int) -> list[str]:
-    shape = SIZES[size]
-    heads = shape["n_embd"] // 64
-    model = [f"task.model.{k}={v}" for k, v in shape.items()] + [f"task.model.n_head={heads}"]
+    model = [f"task.model.{k}={v}" for k, v in SIZES[size].items()]
     return ["task=gpt", "task.model.block_size=64", *model]
 
 
@@ -105,8 +108,8 @@ def llama(root: Path, size: int) -> Path:
         hidden_size=width,
         intermediate_size=int(width * 8 / 3) // 16 * 16,
         num_hidden_layers=shape["n_layer"],
-        num_attention_heads=width // 64,
-        num_key_value_heads=width // 64,
+        num_attention_heads=shape["n_head"],
+        num_key_value_heads=shape["n_head"],
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
@@ -115,14 +118,45 @@ def llama(root: Path, size: int) -> Path:
     return path
 
 
-def export_case(ckpt: Path, out: Path) -> dict:
-    from framework.cli import main
-    from framework.memory import peak_rss, reset_peak_rss
+# `fw export` in a process of its own, its imports paid before the high-water mark is reset (an
+# export run earlier in the same process would leave the allocator holding its memory, and the
+# second one's rise would read as nothing)
+EXPORT = """
+import json, sys
+import torch
+import framework.checkpoint.export, framework.checkpoint.formats, framework.checkpoint.load
+from framework.cli import main
+from framework.memory import peak_rss, reset_peak_rss
+start = reset_peak_rss()
+code = main(["export", sys.argv[1], sys.argv[2]])
+print(json.dumps({"code": code, "peak_rise": peak_rss() - start}))
+"""
 
-    main(["export", str(ckpt), str(out.with_suffix(".warm.pt"))])  # imports paid first
-    start = reset_peak_rss()
-    assert main(["export", str(ckpt), str(out)]) == 0
-    return {"peak_rise": peak_rss() - start, "written": out.stat().st_size}
+
+def export_case(ckpt: Path, out: Path) -> dict:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", EXPORT, str(ckpt), str(out)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"export of {ckpt} failed:\n{done.stderr[-3000:]}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["code"] == 0, done.stderr[-3000:]
+    return {"peak_rise": found["peak_rise"], "written": out.stat().st_size}
+
+
+def export_baseline(root: Path) -> int:
+    """The peak rise of exporting a tiny gpt's fsdp checkpoint (2 processes, one step)."""
+    run = root / "tiny"
+    model = [f"task.model.{k}={v}" for k, v in TINY.items()]
+    args = [*COMMON, "task=gpt", "task.model.block_size=64", *model, "strategy=fsdp"]
+    run_checked(
+        [FW, "train", *args, "trainer.devices=2", "trainer.max_steps=1", f"run.dir={run}"], run
+    )
+    ckpt = run / "checkpoints" / "step00000001"
+    return export_case(ckpt, root / "tiny.pt")["peak_rise"]
 
 
 def ratios(case: dict, whole: int, largest: int, n: int) -> list[str]:
@@ -141,18 +175,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="25,100")
     parser.add_argument("--procs", default="1,2")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
     args = parser.parse_args()
+    strategies = args.strategies.split(",")
     sizes = [int(s) for s in args.sizes.split(",")]
     procs = [int(p) for p in args.procs.split(",")]
     load_at_start = load_average()
     results: dict = {"resume": [], "pretrained": [], "export": []}
+    baseline = 0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for size in sizes:
             state, largest = state_bytes(size)
             weights = state // 3
             directory = llama(root, size)
-            for strategy in STRATEGIES:
+            for strategy in strategies:
                 for n in procs:
                     if strategy == "tensor" and n == 1:
                         continue  # one process has no tensor split
@@ -166,12 +203,16 @@ def main() -> None:
                     results["pretrained"].append(
                         {"size": size, "strategy": strategy, "n": n, **case}
                     )
+            if "fsdp" not in strategies:
+                continue  # the export reads the fsdp resume's checkpoint
             ckpt = root / f"fsdp-{size}-{procs[-1]}" / "checkpoints" / "step00000002"
             found = export_case(ckpt, root / f"export{size}.pt")
+            found["baseline"] = baseline = baseline or export_baseline(root)
+            rise = found["peak_rise"] - baseline
             print(
-                f"export {size}M: peak +{found['peak_rise'] / 2**20:.1f} MiB for "
-                f"{found['written'] / 2**20:.1f} MiB written: {found['peak_rise'] / weights:.2f}x "
-                f"the weights, {found['peak_rise'] / largest:.2f}x the largest tensor",
+                f"export {size}M: peak +{rise / 2**20:.1f} MiB beyond a tiny model's export "
+                f"(+{baseline / 2**20:.1f} MiB) for {found['written'] / 2**20:.1f} MiB written: "
+                f"{rise / weights:.2f}x the weights, {rise / largest:.2f}x the largest tensor",
                 flush=True,
             )
             results["export"].append(
