@@ -18,6 +18,20 @@ QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=fals
 # True while a test marked `gpu` runs (set by the `pin_cpu` fixture); every other test, and the
 # session fixtures that make shared reference runs, are pinned to the CPU.
 GPU_TEST = False
+# gpt_tiny for 10 steps, one loss a step, checkpoints at steps 5 and 10: the runs that compare an
+# optimizer or a number format under each layout with one process
+TEN_STEPS_OF_GPT_TINY = [
+    *QUIET,
+    "experiment=gpt_tiny",
+    "trainer.max_steps=10",
+    "trainer.deterministic=true",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=20",
+    "task.scheduler.name=constant",
+    "task.model.sample_length=0",
+    "logger=[csv]",
+    "callbacks.checkpoint.every_n_steps=5",
+]
 
 
 def device_env(env: dict[str, str], gpu: bool) -> dict[str, str]:
@@ -61,6 +75,13 @@ def fw(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.
         timeout=timeout,
         start_new_session=True,  # its own process group, as a job started from a shell
     )
+
+
+def trained(*args: str, cwd: Path) -> str:
+    """`fw train ARGS` in `cwd`, which must succeed; its stderr."""
+    result = fw("train", *args, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:

@@ -330,46 +330,52 @@ def orthogonalize(jobs: list[Job], flat: dict[int, FlatLayout]) -> list[torch.Te
             indices, exchange_flat([jobs[i] for i in indices], flat[pid]), strict=True
         ):
             results[i] = out
+    first = 0  # the owner of the next matrix: round-robin across the buckets too
     for indices in buckets.values():
-        for i, out in zip(indices, exchange_dtensors([jobs[i] for i in indices]), strict=True):
+        done = exchange_dtensors([jobs[i] for i in indices], first)
+        for i, out in zip(indices, done, strict=True):
             results[i] = out
+        first += len(indices)
     return results  # type: ignore[return-value]
 
 
-def exchange_dtensors(jobs: list[Job]) -> list[torch.Tensor]:
+def exchange_dtensors(jobs: list[Job], first: int = 0) -> list[torch.Tensor]:
     """Matrices of one mesh, placement, shape and dtype: in rounds of as many as the mesh has
     ranks, stacked, re-sharded so that each rank holds whole matrices (DTensor's
-    redistribute), orthogonalised there, and re-sharded back; this rank's parts returned."""
+    redistribute), orthogonalised there, and re-sharded back; this rank's parts returned. The
+    matrices go to the ranks in turn, matrix i to the rank at place (first + i) mod N."""
     from torch.distributed.tensor import DTensor, Shard
 
-    first = jobs[0].update
-    mesh, placements, shape = first.device_mesh, shifted(first.placements), tuple(first.shape)
+    update = jobs[0].update
+    mesh, placements, shape = update.device_mesh, shifted(update.placements), tuple(update.shape)
     n = mesh.size()
     owners = [Shard(0)] * mesh.ndim  # the stack's first dimension over all ranks: one each
     whole = (n, *shape)
     stride = contiguous_stride(whole)
-    rank = mesh.get_rank() if hasattr(mesh, "get_rank") else None
+    place = owned_index(mesh)
     out: list[torch.Tensor] = []
     for start in range(0, len(jobs), n):
         chunk = jobs[start : start + n]
-        parts = [j.update.to_local() for j in chunk]
-        # a last round of fewer matrices is filled with zeros: every rank then owns exactly one
-        # (DTensor's re-sharding of an uneven first dimension is not safe on gloo)
-        parts += [torch.zeros_like(parts[0])] * (n - len(chunk))
+        slots = [(first + start + i) % n for i in range(len(chunk))]
+        # every rank owns exactly one slot of the stack; the slots no matrix fills this round
+        # hold zeros (DTensor's re-sharding of an uneven first dimension is not safe on gloo)
+        parts = [torch.zeros_like(chunk[0].update.to_local())] * n
+        for slot, job in zip(slots, chunk, strict=True):
+            parts[slot] = job.update.to_local()
         spread = DTensor.from_local(
             torch.stack(parts), mesh, placements, shape=whole, stride=stride
         )
-        mine = spread.redistribute(mesh, owners).to_local()
-        index = owned_index(mesh, rank)
-        done = newton_schulz(mine[0], chunk[0].group) if index < len(chunk) else mine[0]
+        mine = spread.redistribute(mesh, owners).to_local()[0]
+        done = newton_schulz(mine, chunk[0].group) if place in slots else mine
         back = DTensor.from_local(done.unsqueeze(0), mesh, owners, shape=whole, stride=stride)
-        out += list(back.redistribute(mesh, placements).to_local().unbind(0))[: len(chunk)]
+        returned = back.redistribute(mesh, placements).to_local()
+        out += [returned[slot] for slot in slots]
     return out
 
 
-def owned_index(mesh, rank) -> int:
-    """Which matrix of a round of `mesh.size()` this rank owns: its place in the mesh's order
-    (a stack sharded over its first dimension by every mesh dimension in turn)."""
+def owned_index(mesh) -> int:
+    """Which slot of a stack of `mesh.size()` matrices this rank holds once the stack is
+    sharded over its first dimension by every mesh dimension in turn: its place in the mesh."""
     index = 0
     for dim in range(mesh.ndim):
         index = index * mesh.size(dim) + mesh.get_local_rank(dim)

@@ -21,21 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUIET, fw, losses, metric_rows
+from tests.conftest import QUIET, TEN_STEPS_OF_GPT_TINY, losses, metric_rows, trained
 
 pytestmark = pytest.mark.slow
 COMMON = [
-    *QUIET,
-    "experiment=gpt_tiny",
+    *TEN_STEPS_OF_GPT_TINY,
     "trainer.float8=tensorwise",
-    "trainer.max_steps=10",
-    "trainer.deterministic=true",
-    "trainer.log_every_n_steps=1",
-    "trainer.val_check_interval=20",
-    "task.scheduler.name=constant",
-    "task.model.sample_length=0",
-    "logger=[csv]",
-    "callbacks.checkpoint.every_n_steps=5",
 ]
 ONE_SEQUENCE = ["task.data.batch_size=1", "trainer.accumulate_grad_batches=2"]
 LAYOUTS = {
@@ -51,12 +42,6 @@ LAYOUTS = {
 }
 
 
-def train(*args: str, cwd: Path) -> str:
-    result = fw("train", *args, cwd=cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stderr
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """One process, float8, one sequence per micro-batch, two per step: its run directory, its
@@ -66,7 +51,7 @@ def reference(tmp_path_factory) -> dict:
         "+callbacks.mean._target_=tests.optim_tasks.StepMeanLoss",
         f"+callbacks.mean.out={root}",
     ]
-    train(*COMMON, "strategy=ddp", *ONE_SEQUENCE, *mean, f"run.dir={root / 'one'}", cwd=root)
+    trained(*COMMON, "strategy=ddp", *ONE_SEQUENCE, *mean, f"run.dir={root / 'one'}", cwd=root)
     means = json.loads((root / "mean-losses.json").read_text())
     return {
         "root": root,
@@ -81,7 +66,7 @@ def layouts(reference) -> dict[str, Path]:
     """Each layout's run (fsdp's checkpoints serve the portability tests)."""
     root = reference["root"]
     for name, args in LAYOUTS.items():
-        train(*COMMON, *args, f"run.dir={root / name}", cwd=root)
+        trained(*COMMON, *args, f"run.dir={root / name}", cwd=root)
     return {name: root / name for name in LAYOUTS}
 
 
@@ -111,7 +96,7 @@ def test_tensor_parallel_float8_reproduces_one_process(layouts, reference):
 def test_a_float8_checkpoint_resumes_bitwise_in_float8(reference, workdir):
     step5 = reference["run"] / "checkpoints" / "step00000005"
     args = [*COMMON, "strategy=ddp", *ONE_SEQUENCE, f"resume={step5}", "run.dir=again"]
-    assert "Resuming from" in train(*args, cwd=workdir)
+    assert "Resuming from" in trained(*args, cwd=workdir)
     assert metric_rows(workdir / "again") == metric_rows(reference["run"])[5:]
 
 
@@ -131,7 +116,7 @@ def test_an_fsdp_float8_checkpoint_holds_ordinary_weights_and_loads_in_bf16(
         "task.data.batch_size=2",
         "trainer.max_steps=7",
     ]
-    err = train(*bf16, f"resume={step5}", "run.dir=bf16", cwd=workdir)
+    err = trained(*bf16, f"resume={step5}", "run.dir=bf16", cwd=workdir)
     assert "Moving checkpoint" in err and "Resuming from" in err
     got, want = losses(workdir / "bf16"), reference["mean"]
     assert sorted(got) == [5, 6]
@@ -139,7 +124,7 @@ def test_an_fsdp_float8_checkpoint_holds_ordinary_weights_and_loads_in_bf16(
     # and a bf16 checkpoint (step 7) resumes in float8
     step7 = workdir / "bf16" / "checkpoints" / "step00000007"
     float8 = [*COMMON, "strategy=ddp", "task.data.batch_size=2", "trainer.max_steps=9"]
-    assert "Resuming from" in train(*float8, f"resume={step7}", "run.dir=float8", cwd=workdir)
+    assert "Resuming from" in trained(*float8, f"resume={step7}", "run.dir=float8", cwd=workdir)
     again = losses(workdir / "float8")
     assert sorted(again) == [7, 8]
     assert all(abs(again[s] - want[s]) <= 0.03 * want[s] for s in again), (again, want)
@@ -157,9 +142,9 @@ def test_float8_over_50_steps_of_the_gpt_recipe_stays_within_a_few_percent_of_bf
         "logger=[csv]",
         "callbacks=none",
     ]
-    err = train(*recipe, "trainer.float8=tensorwise", "run.dir=float8", cwd=workdir)
+    err = trained(*recipe, "trainer.float8=tensorwise", "run.dir=float8", cwd=workdir)
     assert "float8 (tensorwise): 16 linear layers in float8" in err  # 4 blocks x 4
-    train(*recipe, "trainer.precision=bf16-mixed", "run.dir=bf16", cwd=workdir)
+    trained(*recipe, "trainer.precision=bf16-mixed", "run.dir=bf16", cwd=workdir)
     got, want = losses(workdir / "float8"), losses(workdir / "bf16")
     assert sorted(got) == sorted(want) == list(range(50))
     assert want[49] < 0.8 * want[0]  # both learn
