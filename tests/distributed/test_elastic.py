@@ -12,6 +12,7 @@ machine, tests/slurm_cluster.py) node 2's agent task is killed and node 1 finish
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import pytest
 
 from framework.data.sampler import GlobalOrderSampler
 from tests.conftest import FW, QUIET, fw, fw_env, metric_rows, read_metrics, refused
+from tests.distributed.test_listening import listening as sockets
 from tests.distributed.test_slurm import cluster, job_state, wait_until_done  # noqa: F401
 from tests.tasks import RecordingDigitsTask
 
@@ -243,6 +245,8 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it(workdir, reference,
         wait_for(lambda: listening(port), "node 1 hosts the rendezvous", procs)
         second = node(args, workdir)
         procs.append(second)
+        wait_for(lambda: (out / "seen-rank1.txt").exists(), "both nodes train", procs)
+        bound = listening_under([first.pid, second.pid])  # well before the kill at step 4
         wait_for(lambda: (run / "checkpoints" / "step00000004").exists(), "a checkpoint", procs)
         os.kill(second.pid, signal.SIGKILL)  # the whole node: its fw process, then its worker
         second.communicate(timeout=60)
@@ -275,6 +279,25 @@ def test_a_lost_node_shrinks_the_job_and_its_return_grows_it(workdir, reference,
     order = GlobalOrderSampler(n_train, seed=0, num_replicas=1, rank=0).global_order().tolist()
     assert sorted(ids) == sorted(order[: STEPS * GLOBAL_BATCH]), "every sample once, none skipped"
     assert "World size 1 of 2" in errs[0], errs[0][-3000:]
+    # a job over several machines listens where the endpoint and the first node are, never on
+    # every interface: the rendezvous store on the endpoint's address (localhost here)
+    assert f"127.0.0.1:{port}" in bound and len(bound) >= 2, bound  # and the workers' store
+    assert not any(ipaddress.ip_address(a.rpartition(":")[0]).is_unspecified for a in bound), bound
+
+
+def listening_under(roots: list[int]) -> set[str]:
+    """host:port of every listening TCP socket of the processes `roots` and their descendants
+    (one pass over /proc: the caller's job goes on meanwhile)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree = set(roots)
+    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return sockets(sorted(tree))
 
 
 def trained_samples(out: Path) -> dict[int, list[int]]:
