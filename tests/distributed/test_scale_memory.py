@@ -59,6 +59,15 @@ def peaks(probe: Path, world: int) -> list[int]:
     return [json.loads((probe / f"rank{r}.json").read_text())["first_step"] for r in range(world)]
 
 
+@pytest.fixture(scope="module")
+def tensor_run(tmp_path_factory) -> Path:
+    """Two steps under tensor parallel on 2 processes (checkpoint at step 2): resumed under fsdp
+    (in a copy) and exported."""
+    run = tmp_path_factory.mktemp("tensor") / "run"
+    train(run, "strategy=tensor", "trainer.devices=2", "trainer.max_steps=2")
+    return run
+
+
 @pytest.mark.parametrize(
     ("written", "moved"),
     [
@@ -68,14 +77,17 @@ def peaks(probe: Path, world: int) -> list[int]:
     ],
     ids=["lightning-ddp1", "dcp-tensor2", "dcp-fsdp2"],
 )
-def test_a_resume_on_another_layout_reads_only_each_ranks_share(written, moved, tmp_path):
+def test_a_resume_on_another_layout_reads_only_each_ranks_share(written, moved, tmp_path, request):
     """ddp's one file and tensor parallel's column/row DCP shards read under fsdp x2, and fsdp
     x2's shards read by ddp on one process (which keeps the whole state): as each rank's resume
     report measures it, its reading costs it, beyond what it keeps, far less than a quarter of
     the state, and the kernel counts about as many bytes read as it keeps (reading the whole
     state per rank, as before, costs the whole state and reads all of it)."""
     run = tmp_path / "run"
-    train(run, *written, "trainer.max_steps=2")
+    if written[0] == "strategy=tensor":
+        shutil.copytree(request.getfixturevalue("tensor_run"), run, symlinks=True)
+    else:
+        train(run, *written, "trainer.max_steps=2")
     target = ["strategy=ddp", "trainer.devices=1"] if written[0] == "strategy=fsdp" else FSDP2
     err = train(run, *target, "trainer.max_steps=3")
     assert_resumed(err, run, 3, moved=moved)  # dcp -> dcp at 2 processes: read as it is
@@ -93,16 +105,14 @@ def test_a_resume_on_another_layout_reads_only_each_ranks_share(written, moved, 
         assert read < held + 0.05 * state, (phases, state)
 
 
-def test_export_streams_one_tensor_at_a_time(tmp_path):
+def test_export_streams_one_tensor_at_a_time(tensor_run, tmp_path):
     """`fw export` of a checkpoint holds about one tensor at a time: its peak above where it
     started stays far below the model it writes, and what it writes is the model."""
     from framework.checkpoint.export import consolidated_state
     from framework.cli import main
     from framework.memory import peak_rss, reset_peak_rss
 
-    run = tmp_path / "run"
-    train(run, "strategy=tensor", "trainer.devices=2", "trainer.max_steps=2")
-    ckpt = run / "checkpoints" / "step00000002"
+    ckpt = tensor_run / "checkpoints" / "step00000002"
     out = tmp_path / "model.pt"
     main(["export", str(ckpt), str(tmp_path / "warm.pt")])  # imports paid before measuring
     start = reset_peak_rss()
