@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -256,8 +257,24 @@ def init_run(cfg, ctx, mode: str):
             except Exception as err:  # unreachable server, bad key: keep training, log offline
                 log.warning("W&B online init failed (%s); logging offline instead.", err)
                 wandb.teardown()  # the failed run still holds its id in W&B's service
-                mode = os.environ["WANDB_MODE"] = "offline"  # W&B's own telemetry too
+                os.environ["WANDB_MODE"] = "offline"  # W&B's own telemetry too
+                return init_offline_after_failure(wandb, settings, args)
         return wandb.init(mode=mode, settings=settings, **args)
+
+
+def init_offline_after_failure(wandb, settings, args: dict, tries: int = 6):
+    """The offline run under the id a failed online init just gave up: W&B's service may still
+    hold that id for a moment after the teardown ("run ID ... is in use"), so that refusal is
+    retried, waiting 0.25 s, then twice as long each time (about 8 s in all)."""
+    for attempt in range(tries):
+        try:
+            return wandb.init(mode="offline", settings=settings, **args)
+        except Exception as err:
+            if "is in use" not in str(err) or attempt == tries - 1:
+                raise
+            wandb.teardown()
+            time.sleep(0.25 * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
