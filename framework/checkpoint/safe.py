@@ -104,19 +104,27 @@ def load_torch(
             "is never read)"
         )
     stand_ins = [(StandIn, name) for name in DEEPSPEED_GLOBALS]
+    with refusals(where), torch.serialization.safe_globals(stand_ins):
+        return torch.load(
+            path,
+            map_location="meta" if meta else "cpu",
+            weights_only=not trusted,
+            mmap=mmap and not meta,
+        )
+
+
+@contextlib.contextmanager
+def refusals(where: Any, unreadable: bool = True):
+    """torch's refusals as UnsafeCheckpoint naming `where`: a global its weights_only unpickler
+    refused (torch names it), and (`unreadable`) a file it cannot read at all."""
+    caught = (RuntimeError, OSError, EOFError, ValueError) if unreadable else ()
     try:
-        with torch.serialization.safe_globals(stand_ins):
-            return torch.load(
-                path,
-                map_location="meta" if meta else "cpu",
-                weights_only=not trusted,
-                mmap=mmap and not meta,
-            )
+        yield
     except pickle.UnpicklingError as err:
         named = re.search(r"GLOBAL ([\w.]+)", str(err))  # torch names the global it refused
         what = f"names {named.group(1)}" if named else _unpickler_line(str(err))
         raise UnsafeCheckpoint(f"{where} {what}, which a checkpoint never needs") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as err:
+    except caught as err:
         raise UnsafeCheckpoint(f"{where} is not a readable torch file ({err})") from None
 
 
@@ -125,14 +133,8 @@ def load_stream(stream: Any, where: str, trusted: bool = False) -> Any:
     its tensors on the meta device and torch's `weights_only` unpickler (`trusted`: without it)."""
     import torch
 
-    try:
+    with refusals(where):
         return torch.load(stream, map_location="meta", weights_only=not trusted)
-    except pickle.UnpicklingError as err:
-        named = re.search(r"GLOBAL ([\w.]+)", str(err))
-        what = f"names {named.group(1)}" if named else _unpickler_line(str(err))
-        raise UnsafeCheckpoint(f"{where} {what}, which a checkpoint never needs") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as err:
-        raise UnsafeCheckpoint(f"{where} is not a readable torch file ({err})") from None
 
 
 def load_bytes(data: Any, where: str, trusted: bool = False) -> Any:
@@ -140,12 +142,8 @@ def load_bytes(data: Any, where: str, trusted: bool = False) -> Any:
     (`trusted`: without it)."""
     import torch
 
-    try:
+    with refusals(where, unreadable=False):
         return torch.load(data, map_location="cpu", weights_only=not trusted)
-    except pickle.UnpicklingError as err:
-        named = re.search(r"GLOBAL ([\w.]+)", str(err))
-        what = f"names {named.group(1)}" if named else _unpickler_line(str(err))
-        raise UnsafeCheckpoint(f"{where} {what}, which a checkpoint never needs") from None
 
 
 def load_pickle(path: Path, allowed: set[str], where: str | Path, trusted: bool = False) -> Any:

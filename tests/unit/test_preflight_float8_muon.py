@@ -17,6 +17,7 @@ from framework.preflight.hardware import DEVICES
 from framework.preflight.optimizer_work import newton_schulz_flops
 from framework.preflight.perf import predict
 from framework.preflight.replica import Work
+from tests.unit.test_plan_perf import layout as plan_layout
 
 TINY = ["experiment=gpt_tiny", "trainer.accelerator=cpu"]
 MUON = "task.optimizer._target_=framework.optim.Muon"
@@ -113,21 +114,8 @@ def test_muons_exchange_is_twice_a_ranks_shards_of_the_hidden_matrices(checked):
 
 
 def layout(**changes):
-    facts = {
-        "tp": 1,
-        "pp": 1,
-        "precision": "bf16-mixed",
-        "data_ranks": 8,
-        "microbatches": 1,
-        "virtual_stages": 1,
-        "traffic": {"data": 0.0, "tensor": 0.0, "pipeline": 0.0, "experts": 0.0},
-        "group_sizes": {"data": 8, "tensor": 1, "experts": 1, "pipeline": 1},
-        "spans_nodes": {"data": False, "tensor": False, "experts": False, "pipeline": False},
-        "tensor_collectives": 0,
-        "expert_collectives": 0,
-        "pipeline_receives": 0,
-        "state_bytes": {"params": 4e9, "grads": 4e9, "optimizer": 8e9},
-    }
+    """A data-parallel layout of 8 ranks holding 16 GB of state (4 + 4 + 8: bf16-mixed AdamW)."""
+    facts = plan_layout(state_bytes={"params": 4e9, "grads": 4e9, "optimizer": 8e9})
     facts.update(changes)
     return facts
 
