@@ -53,6 +53,7 @@ def fw_env() -> dict[str, str]:
     env.update(WANDB_MODE="disabled", PYTHONPATH=str(REPO))
     env.pop("WANDB_API_KEY", None)
     for key in (
+        "WANDB_SERVICE",  # a W&B service this test process started: each job starts its own
         "RANK",
         "LOCAL_RANK",
         "WORLD_SIZE",

@@ -56,11 +56,20 @@ def wandb_env(server: ConnectionCounter) -> dict[str, str]:
     return env
 
 
-def run_fw(args, cwd, env, timeout: float = 300):
+# A parent process that used W&B before starting the job (a script, a notebook): its service's
+# token reaches the job through WANDB_SERVICE.
+UNDER_A_WANDB_PARENT = [
+    sys.executable,
+    "-c",
+    "import subprocess, sys, wandb; wandb.setup(); sys.exit(subprocess.call(sys.argv[1:]))",
+]
+
+
+def run_fw(args, cwd, env, timeout: float = 300, parent: list[str] = ()):
     from tests.conftest import FW
 
     return subprocess.run(
-        [str(FW), "train", *args],
+        [*parent, str(FW), "train", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -145,7 +154,9 @@ def run_record(path):
 
 def test_online_with_an_unreachable_server_falls_back_to_offline(workdir, tmp_path):
     """An API key but no server (a local port that refuses): the job is not blocked beyond
-    `init_timeout`, logs offline to the same run id, and finishes."""
+    `init_timeout`, logs offline to the same run id, and finishes; also when started by a
+    process that holds a W&B service of its own, which the job inherits and which keeps the
+    failed online run's id."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # closed again: connections to it are refused
@@ -157,7 +168,7 @@ def test_online_with_an_unreachable_server_falls_back_to_offline(workdir, tmp_pa
         HOME=str(tmp_path),
     )
     args = ["logger.wandb.mode=online", "logger.wandb.init_timeout=5", "trainer.max_steps=3"]
-    result = run_fw([*args, *QUIET, "run.dir=run"], workdir, env, timeout=90)
+    result = run_fw([*args, *QUIET, "run.dir=run"], workdir, env, 90, UNDER_A_WANDB_PARENT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "W&B online init failed" in result.stderr and "logging offline instead" in result.stderr
     offline = list((workdir / "run" / "wandb").glob("offline-run-*/run-*.wandb"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-import pytest
 import wandb  # noqa: F401 (the wandb extra: missing, these fail, not skip)
 
 from framework.loggers.wandb.logger import RunWandbLogger
@@ -43,34 +42,3 @@ def test_a_broken_pipe_is_one_warning_and_wandb_is_dropped(tmp_path, caplog):
     ckpt.mkdir()
     logger.log_checkpoint(ckpt, {"step": 4}, best=True)
     logger.log_staged(wait=True)
-
-
-class Service:
-    """wandb's init and teardown as the offline fallback sees them: the id of a failed online
-    run stays 'in use' for the first `busy` inits."""
-
-    def __init__(self, busy: int, error: str = "run ID abc is in use"):
-        self.busy, self.error, self.inits, self.teardowns = busy, error, 0, 0
-
-    def init(self, **kwargs):
-        self.inits += 1
-        if self.inits <= self.busy:
-            raise RuntimeError(self.error)
-        return SimpleNamespace(mode=kwargs["mode"])
-
-    def teardown(self):
-        self.teardowns += 1
-
-
-def test_the_offline_fallback_waits_for_the_failed_runs_id(monkeypatch):
-    from framework.loggers.wandb import logger
-
-    monkeypatch.setattr(logger.time, "sleep", lambda s: None)
-    service = Service(busy=2)
-    run = logger.init_offline_after_failure(service, settings=None, args={"id": "abc"})
-    assert run.mode == "offline" and service.inits == 3 and service.teardowns == 2
-    # another error, or one that outlasts the retries, is raised as it is
-    for service in (Service(busy=1, error="bad project"), Service(busy=99)):
-        with pytest.raises(RuntimeError):
-            logger.init_offline_after_failure(service, settings=None, args={"id": "abc"})
-    assert service.inits == 6

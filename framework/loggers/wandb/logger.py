@@ -8,7 +8,6 @@ import os
 import re
 import sys
 import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -256,25 +255,21 @@ def init_run(cfg, ctx, mode: str):
                 return wandb.init(mode="online", settings=settings, **args)
             except Exception as err:  # unreachable server, bad key: keep training, log offline
                 log.warning("W&B online init failed (%s); logging offline instead.", err)
-                wandb.teardown()  # the failed run still holds its id in W&B's service
+                own_service(wandb)
                 os.environ["WANDB_MODE"] = "offline"  # W&B's own telemetry too
-                return init_offline_after_failure(wandb, settings, args)
+                return wandb.init(mode="offline", settings=settings, **args)
         return wandb.init(mode=mode, settings=settings, **args)
 
 
-def init_offline_after_failure(wandb, settings, args: dict, tries: int = 6):
-    """The offline run under the id a failed online init just gave up: W&B's service may still
-    hold that id for a moment after the teardown ("run ID ... is in use"), so that refusal is
-    retried, waiting 0.25 s, then twice as long each time (about 8 s in all)."""
-    for attempt in range(tries):
-        try:
-            return wandb.init(mode="offline", settings=settings, **args)
-        except Exception as err:
-            if "is in use" not in str(err) or attempt == tries - 1:
-                raise
-            wandb.teardown()
-            time.sleep(0.25 * 2**attempt)
-    raise AssertionError("unreachable")
+def own_service(wandb) -> None:
+    """After a failed online init, the offline run under the same id needs a W&B service that
+    never saw the failed run: one this process started is stopped by the teardown, but one
+    inherited from a parent process (WANDB_SERVICE, set by a script or notebook that used W&B
+    before starting the job) lives on and refuses the id ("run ID ... is in use") until the
+    failed run gives up. Dropping the inherited token makes the next init start this process's
+    own service."""
+    wandb.teardown()
+    os.environ.pop(wandb.env.SERVICE, None)
 
 
 @contextlib.contextmanager
