@@ -127,7 +127,12 @@ def pytest_configure(config) -> None:
     framework.worker.limit_threads). Likewise torch.compile compiles in the process that
     compiles (no pool of compile workers per rank: 40.7 against 43.0 CPU-s for a 2-process
     compiled gpt_tiny job with a cold cache, the same losses). A value set by whoever runs the
-    tests wins."""
+    tests wins.
+
+    W&B is disabled in this process: a test that trains in-process (cli.main) would otherwise
+    log offline and leave a W&B service whose token (WANDB_SERVICE) later jobs inherit; a test
+    of W&B sets its mode itself."""
+    os.environ["WANDB_MODE"] = "disabled"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if "torch" in sys.modules:  # imported before this hook: set its pool too
