@@ -91,7 +91,10 @@ def pretrained_case(root: Path, directory: Path, strategy: str, n: int) -> dict:
     for rank in range(n):
         (report,) = json.loads((run / "pretrained" / f"rank{rank}.json").read_text())
         held = report["local_bytes"]
-        beyond = max(report.get("peak_rss_delta", 0) - held, 0)
+        if "peak_rise" in report:  # zero3: read into DeepSpeed's partitions, allocated before
+            beyond = report["peak_rise"]
+        else:  # the rank's parameters are allocated while loading: its rise includes them
+            beyond = max(report["peak_rss_delta"] - held, 0)
         ranks.append({"held": held, "io_read": report["io_read"], "beyond": beyond})
     return {"run": str(run), "ranks": ranks}
 

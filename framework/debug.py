@@ -53,8 +53,9 @@ class CommCounter(pl.Callback):
 
 
 class PeakMemory(pl.Callback):
-    """Each rank's resident-memory high-water mark (VmHWM), after its first optimizer step of
-    this fit and at the end, written to `out`/rank<R>.json (bytes)."""
+    """Each rank's resident-memory high-water mark since its process started (VmHWM, across the
+    resets of the load reports), after its first optimizer step of this fit and at the end,
+    written to `out`/rank<R>.json (bytes)."""
 
     def __init__(self, out: str) -> None:
         self.out = Path(out)
@@ -62,15 +63,15 @@ class PeakMemory(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if "first_step" not in self.figures:
-            from framework.memory import peak_rss
+            from framework.memory import lifetime_peak_rss
 
-            self.figures["first_step"] = peak_rss()
+            self.figures["first_step"] = lifetime_peak_rss()
             self._write(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from framework.memory import peak_rss
+        from framework.memory import lifetime_peak_rss
 
-        self.figures["end"] = peak_rss()
+        self.figures["end"] = lifetime_peak_rss()
         self._write(trainer)
 
     def _write(self, trainer) -> None:

@@ -1,9 +1,9 @@
 """No rank holds the whole training state while it resumes on another layout, loads pretrained
-weights, or exports: measured from the processes themselves (their resident high-water mark and
-the kernel's count of bytes read, in the reports a resume and a pretrained load write, and
-`framework.debug.PeakMemory`), on a model big enough that a whole extra copy of its state is far
-above the noise (a gpt of ~13 M parameters: 50 MiB of fp32 weights, 150 MiB of training state
-with AdamW's moments)."""
+weights, or exports: measured from the processes themselves (the rise of their resident
+high-water mark and the kernel's count of bytes read, in the reports a resume and a pretrained
+load write), on a model big enough that a whole extra copy of its state is far above the noise
+(a gpt of ~13 M parameters: 50 MiB of fp32 weights, 150 MiB of training state with AdamW's
+moments)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ GPT = [
     "logger=[csv]",
     "callbacks.checkpoint.every_n_steps=2",
 ]
-PROBE = "+callbacks.peak._target_=framework.debug.PeakMemory"
 FSDP2 = ["strategy=fsdp", "trainer.devices=2"]  # the resuming layout
 
 
@@ -48,15 +47,10 @@ def parameters() -> int:
     return sum(p.numel() for p in task.parameters())
 
 
-def train(run: Path, *args: str, probe: Path | None = None) -> str:
-    extra = [PROBE, f"+callbacks.peak.out={probe}"] if probe is not None else []
-    result = fw("train", *GPT, *args, *extra, f"run.dir={run}", cwd=run.parent, timeout=600)
+def train(run: Path, *args: str) -> str:
+    result = fw("train", *GPT, *args, f"run.dir={run}", cwd=run.parent, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
-
-
-def peaks(probe: Path, world: int) -> list[int]:
-    return [json.loads((probe / f"rank{r}.json").read_text())["first_step"] for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -146,36 +140,28 @@ def llama_dir(root: Path) -> Path:
 
 def test_zero3_reads_only_its_partitions_of_pretrained_weights(tmp_path):
     """Under zero3 x2 a pretrained model is built on meta and each rank reads only its
-    partitions: the kernel counts about half the weights read by each rank (a whole load per
-    rank reads all of them), and its high-water mark stays within half the weights of the same
-    job from a random init."""
+    partitions, straight into DeepSpeed's buffers: the kernel counts about half the weights read
+    by each rank (a whole load per rank reads all of them), and the reading raises the rank's
+    resident high-water mark by far less than the weights (a whole copy per rank, read and then
+    partitioned, raises it by all of them). The whole job's high-water mark is not compared with
+    a random init's: at this size it varies by about the weights from run to run."""
     directory = llama_dir(tmp_path)
     weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    config = json.loads((directory / "config.json").read_text())
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    init = ["experiment=hf_lm_tiny", *(f"task.model.config.{k}={config[k]}" for k in keys)]
-    init.append(f"task.model.config.num_key_value_heads={config['num_key_value_heads']}")
-    common = ["strategy=zero3", "trainer.devices=2", "trainer.max_steps=1", *QUIET, PROBE]
+    common = ["strategy=zero3", "trainer.devices=2", "trainer.max_steps=1", *QUIET]
     common += ["task.data.max_bytes=100000", "task.data.batch_size=2", "task.data.block_size=32"]
     common += ["task.data.tokenizer=bytes", "logger=[csv]", "trainer.limit_val_batches=0"]
-    for name, args in (
-        ("random", init),
-        ("pretrained", ["task=hf_lm", f"task.model.pretrained={directory}"]),
-    ):
-        result = fw(
-            "train", *common, *args, f"+callbacks.peak.out={tmp_path / name}",
-            f"run.dir={tmp_path / name / 'run'}", cwd=tmp_path, timeout=600,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
+    result = fw(
+        "train", *common, "task=hf_lm", f"task.model.pretrained={directory}",
+        f"run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        path = tmp_path / "pretrained" / "run" / "pretrained" / f"rank{rank}.json"
-        (report,) = json.loads(path.read_text())
+        (report,) = json.loads((tmp_path / "run" / "pretrained" / f"rank{rank}.json").read_text())
+        print(
+            f"\nzero3 pretrained rank {rank}: read {report['io_read'] >> 20} MiB, reading cost "
+            f"+{report['peak_rise'] >> 20} MiB, weights {weights >> 20} MiB"
+        )
         assert abs(report["local_bytes"] - weights / 2) < 0.05 * weights, (report, weights)
         assert report["io_read"] <= report["local_bytes"] + 256 * 1024, (report, weights)
-    pretrained, random = peaks(tmp_path / "pretrained", 2), peaks(tmp_path / "random", 2)
-    extra = [p - r for p, r in zip(pretrained, random, strict=True)]
-    print(
-        f"\nzero3 pretrained: extra per rank {[e >> 20 for e in extra]} MiB, weights {weights >> 20} MiB"
-    )
-    assert all(e < 0.5 * weights for e in extra), (extra, weights)
+        assert report["peak_rise"] < 0.25 * weights, (report, weights)
     shutil.rmtree(directory)

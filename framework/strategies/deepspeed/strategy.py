@@ -29,7 +29,7 @@ from framework.checkpoint.portable import (
     model_key,
     state_key,
 )
-from framework.memory import bytes_read
+from framework.memory import bytes_read, peak_rss, reset_peak_rss
 from framework.strategy_base import StrategyBase
 from framework.world import collective_backend
 
@@ -52,7 +52,7 @@ class ZeroStrategy(StrategyBase, DeepSpeedStrategy):
             bind(self.deepspeed_engine.optimizer)
         reports = []
         for source in sources:  # ZeRO-3: each rank reads its partitions of pretrained weights
-            read_before = bytes_read()
+            read_before, rss_before = bytes_read(), reset_peak_rss()
             try:
                 filled = load_into_zero(self, source, with_state=False)
             finally:
@@ -63,6 +63,7 @@ class ZeroStrategy(StrategyBase, DeepSpeedStrategy):
                     "local_bytes": filled,
                     "bytes_read": getattr(source, "bytes_read", 0),
                     "io_read": bytes_read() - read_before,
+                    "peak_rise": max(0, peak_rss() - rss_before),  # what the reading cost
                 }
             )
         if reports:
