@@ -17,6 +17,7 @@ callbacks record the results on rank 0:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -123,6 +124,56 @@ class PredictionWriter(BasePredictionWriter):
         files.write_atomic_with(path, lambda fh: torch.save(data, fh))
 
 
+@contextlib.contextmanager
+def loaders_by_keyword(source: Any, hook: str):
+    """While it runs, `source.<hook>()`'s DataLoaders are rebuilt by Lightning from keyword
+    arguments only. To predict, Lightning builds each loader again with a batch sampler that
+    records the indices and passes `batch_size=1` beside the arguments the loader was first
+    given; one given positionally (`DataLoader(dataset, 8)`) then reaches `__init__` twice and
+    Lightning stops the run. The positional arguments Lightning recorded are turned into the
+    keywords they bind to (where each has a name: not a subclass's `*args`)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    parent = pl.LightningDataModule if isinstance(source, pl.LightningDataModule) else None
+    if not is_overridden(hook, source, parent or pl.LightningModule):
+        yield
+        return
+    original = getattr(source, hook)
+
+    def by_keyword() -> Any:
+        loaders = original()
+        for loader in loaders.values() if isinstance(loaders, dict) else _as_list(loaders):
+            _positional_to_keywords(loader)
+        return loaders
+
+    setattr(source, hook, by_keyword)
+    try:
+        yield
+    finally:
+        delattr(source, hook)
+
+
+def _as_list(loaders: Any) -> list:
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def _positional_to_keywords(loader: Any) -> None:
+    args = getattr(loader, "__pl_saved_args", ())
+    names = getattr(loader, "__pl_saved_arg_names", ())
+    if not args or len(names) != len(args):
+        return
+    import inspect
+
+    params = inspect.signature(type(loader).__init__).parameters
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(name not in params or params[name].kind not in kinds for name in names):
+        return
+    kwargs = {**dict(zip(names, args, strict=True)), **loader.__pl_saved_kwargs}
+    object.__setattr__(loader, "__pl_saved_kwargs", kwargs)
+    object.__setattr__(loader, "__pl_saved_args", ())
+    object.__setattr__(loader, "__pl_saved_arg_names", ())
+
+
 def on_cpu(value: Any) -> Any:
     """A prediction as plain CPU data: tensors (a DTensor whole) on the CPU, containers kept."""
     if isinstance(value, torch.Tensor):
@@ -139,9 +190,14 @@ def on_cpu(value: Any) -> Any:
 def run(trainer: pl.Trainer, task: Any, data: Any, command: str, ckpt_path: str | None) -> None:
     """Lightning's Trainer.validate/test/predict of the task on its data, from `ckpt_path`."""
     if command == "predict":
-        trainer.predict(
-            task, datamodule=data, ckpt_path=ckpt_path, return_predictions=False, weights_only=True
-        )
+        with loaders_by_keyword(data if data is not None else task, "predict_dataloader"):
+            trainer.predict(
+                task,
+                datamodule=data,
+                ckpt_path=ckpt_path,
+                return_predictions=False,
+                weights_only=True,
+            )
         return
     method = trainer.validate if command == "validate" else trainer.test
     method(task, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True)
