@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import inspect
 import io
 import logging
 import time
@@ -138,7 +139,7 @@ def loaders_by_keyword(source: Any, hook: str):
     if not is_overridden(hook, source, parent or pl.LightningModule):
         yield
         return
-    original = getattr(source, hook)
+    original, own = getattr(source, hook), vars(source).get(hook)  # own: set on the instance
 
     def by_keyword() -> Any:
         loaders = original()
@@ -150,7 +151,10 @@ def loaders_by_keyword(source: Any, hook: str):
     try:
         yield
     finally:
-        delattr(source, hook)
+        if own is None:
+            delattr(source, hook)
+        else:
+            setattr(source, hook, own)
 
 
 def _as_list(loaders: Any) -> list:
@@ -162,8 +166,6 @@ def _positional_to_keywords(loader: Any) -> None:
     names = getattr(loader, "__pl_saved_arg_names", ())
     if not args or len(names) != len(args):
         return
-    import inspect
-
     params = inspect.signature(type(loader).__init__).parameters
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     if any(name not in params or params[name].kind not in kinds for name in names):

@@ -29,7 +29,6 @@ from framework.checkpoint.portable import (
     model_key,
     state_key,
 )
-from framework.memory import bytes_read, peak_rss, reset_peak_rss
 from framework.strategy_base import StrategyBase
 from framework.world import collective_backend
 
@@ -50,20 +49,22 @@ class ZeroStrategy(StrategyBase, DeepSpeedStrategy):
             from framework.strategies.deepspeed.muon import bind
 
             bind(self.deepspeed_engine.optimizer)
+        from framework.checkpoint.load import measured
+
         reports = []
         for source in sources:  # ZeRO-3: each rank reads its partitions of pretrained weights
-            read_before, rss_before = bytes_read(), reset_peak_rss()
-            try:
-                filled = load_into_zero(self, source, with_state=False)
-            finally:
-                source.close()
+            with measured(source, None, self.global_rank, "pretrained") as figures:
+                try:
+                    filled = load_into_zero(self, source, with_state=False)
+                finally:
+                    source.close()
             reports.append(
                 {
                     "directory": str(getattr(source, "directory", "")),
                     "local_bytes": filled,
-                    "bytes_read": getattr(source, "bytes_read", 0),
-                    "io_read": bytes_read() - read_before,
-                    "peak_rise": max(0, peak_rss() - rss_before),  # what the reading cost
+                    "bytes_read": figures["read"],
+                    "io_read": figures["io_read"],
+                    "peak_rise": figures["peak_rise"],  # what the reading cost
                 }
             )
         if reports:
