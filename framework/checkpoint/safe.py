@@ -5,10 +5,11 @@ callable the pickle names. Nothing here unpickles with more than an allowlist, a
 of every format (framework/checkpoint/formats/) go through these functions only:
 
 - torch files (`.ckpt`, `.pt`): zip-format files only (a legacy torch file is one pickle, refused),
-  read with torch's `weights_only` unpickler; the three DeepSpeed classes its ZeRO files name
-  are read as inert stand-ins (DeepSpeed is never imported to read a checkpoint);
-- DCP's `.metadata`: an unpickler that allows only the classes DCP's metadata is made of; DCP's
-  byte entries: torch's `weights_only` unpickler (formats/dcp.py);
+  read with torch's `weights_only` unpickler; a format whose files name classes of their own
+  for data (DeepSpeed's ZeRO files) passes them, and they are read as inert stand-ins (DeepSpeed
+  is never imported to read a checkpoint);
+- plain pickles (DCP's `.metadata`): an unpickler that allows only the classes the format lists;
+  DCP's byte entries: torch's `weights_only` unpickler;
 - the directory itself: no link (inside it or leaving it), nothing but plain files and folders.
 
 `check_checkpoint` runs the same readers over a checkpoint before any process starts (a resume,
@@ -28,37 +29,6 @@ import stat
 import zipfile
 from pathlib import Path
 from typing import Any
-
-# What a DeepSpeed ZeRO optimizer file names besides torch's tensors (DeepSpeed 0.19).
-DEEPSPEED_GLOBALS = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-# What DCP's `.metadata` is made of (torch 2.13).
-DCP_GLOBALS = {
-    *(
-        f"torch.distributed.checkpoint.metadata.{name}"
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        )
-    ),
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "torch.Size",
-    "torch.serialization._get_layout",
-    "pathlib.PosixPath",
-    "pathlib.PurePosixPath",
-    "pathlib._local.PosixPath",
-    "pathlib._local.PurePosixPath",
-    "collections.OrderedDict",
-}
 
 
 class UnsafeCheckpoint(Exception):
@@ -90,11 +60,13 @@ def load_torch(
     meta: bool = False,
     mmap: bool = False,
     trusted: bool = False,
+    stand_ins: tuple[str, ...] = (),
 ) -> Any:
     """A zip-format torch file read with torch's `weights_only` unpickler (`trusted`: without
     it): `meta` builds every tensor on the meta device (no data read; each storage's place in
     the file is its `_checkpoint_offset`), `mmap` maps the file (a tensor's data is read when
-    touched)."""
+    touched); the classes named in `stand_ins` (a format's own data classes) are read as
+    StandIns."""
     import torch
 
     where = where if where is not None else path.name
@@ -103,8 +75,8 @@ def load_torch(
             f"{where} is not a zip-format torch file (a legacy torch file is one pickle, which "
             "is never read)"
         )
-    stand_ins = [(StandIn, name) for name in DEEPSPEED_GLOBALS]
-    with refusals(where), torch.serialization.safe_globals(stand_ins):
+    allowed = [(StandIn, name) for name in stand_ins]
+    with refusals(where), torch.serialization.safe_globals(allowed):
         return torch.load(
             path,
             map_location="meta" if meta else "cpu",

@@ -68,6 +68,7 @@ class ToyFormat:
     name = "toy"
     any_world = False
     state = "state.ckpt"
+    allowed = ()
 
     def movable(self, meta):
         return None

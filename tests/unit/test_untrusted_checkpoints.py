@@ -147,9 +147,10 @@ def dcp_with_payload_entry(source: Path, state: Path, marker: Path) -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from framework.checkpoint import safe
+    from framework.checkpoint.formats import dcp
 
     shutil.copytree(source, state)
-    md = safe.load_pickle(state / ".metadata", safe.DCP_GLOBALS, "metadata")
+    md = safe.load_pickle(state / ".metadata", dcp.ALLOWED, "metadata")
     key = next(k for k in md.state_dict_metadata if ".param_groups." in k)
     info = md.storage_data[MetadataIndex(key)]
     buffer = io.BytesIO()

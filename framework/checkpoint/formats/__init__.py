@@ -9,6 +9,8 @@ checkpoint's meta.json); the format object says what a reader needs to know abou
   move to another layout, which every format reads by slices anyway;
 - `state`: the file or folder inside the checkpoint directory that holds the state (fixed by
   the format, never read from meta.json: what is checked is what is loaded);
+- `allowed`: the classes, beyond torch's tensors and plain data, that its files may name for
+  data (read by its readers through framework/checkpoint/safe.py; nothing else is unpickled);
 - `movable(meta)`: why a checkpoint cannot be moved to another layout, or None;
 - `open(path, trusted)`: a `Source` (framework/checkpoint/portable.py) over the state.
 
@@ -40,6 +42,7 @@ class CheckpointFormat(Protocol):
     name: str
     any_world: bool
     state: str
+    allowed: tuple[str, ...] | set[str]
 
     def movable(self, meta: dict[str, Any]) -> str | None:
         """Why a checkpoint with this meta.json cannot be read into another layout (None: it

@@ -36,6 +36,30 @@ from framework.checkpoint.portable import (
 )
 
 MODEL_PREFIX = "state_dict."
+# The classes DCP's `.metadata` is made of (torch 2.13): all its unpickler allows.
+ALLOWED = {
+    *(
+        f"torch.distributed.checkpoint.metadata.{name}"
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.Size",
+    "torch.serialization._get_layout",
+    "pathlib.PosixPath",
+    "pathlib.PurePosixPath",
+    "pathlib._local.PosixPath",
+    "pathlib._local.PurePosixPath",
+    "collections.OrderedDict",
+}
 
 
 class DCPSource:
@@ -45,7 +69,7 @@ class DCPSource:
         self.path, self.flat, self.trusted = path, flat, trusted
         self.where = f"{path.parent.name}/{path.name}"
         self.metadata = safe.load_pickle(
-            path / ".metadata", safe.DCP_GLOBALS, f"{self.where}/.metadata", trusted
+            path / ".metadata", ALLOWED, f"{self.where}/.metadata", trusted
         )
         if type(self.metadata).__name__ != "Metadata":
             raise safe.UnsafeCheckpoint(f"{self.where}/.metadata is not DCP metadata")
@@ -210,6 +234,7 @@ class DCPFormat:
 
     any_world = False
     state = "state.ckpt"
+    allowed = ALLOWED
 
     def __init__(self, name: str, flat: bool) -> None:
         self.name, self.flat = name, flat

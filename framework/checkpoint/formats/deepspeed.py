@@ -33,6 +33,12 @@ from framework.checkpoint.portable import (
     strip_prefix,
 )
 
+# The classes DeepSpeed's files name for data (DeepSpeed 0.19), read as inert stand-ins.
+ALLOWED = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
 # What a DeepSpeed model states file holds besides the Lightning client state.
 DEEPSPEED_KEYS = {
     "module",
@@ -71,7 +77,10 @@ class DeepSpeedSource:
         models = sorted(self.root.glob("*model_states.pt"), key=_rank_of)
         # every file is opened (type-restricted) before anything else is judged
         self.trees = [
-            safe.load_torch(f, f"{self.where}/{f.name}", meta=True, trusted=trusted) for f in optim
+            safe.load_torch(
+                f, f"{self.where}/{f.name}", meta=True, trusted=trusted, stand_ins=ALLOWED
+            )
+            for f in optim
         ]
         if not optim or not models:
             raise NotPortable(f"{self.root} holds no DeepSpeed ZeRO partitions")
@@ -81,7 +90,11 @@ class DeepSpeedSource:
         self.model_file = models[0]
         self.files = [TorchFile(f) for f in optim]
         self.model_tree = safe.load_torch(
-            self.model_file, f"{self.where}/{self.model_file.name}", meta=True, trusted=trusted
+            self.model_file,
+            f"{self.where}/{self.model_file.name}",
+            meta=True,
+            trusted=trusted,
+            stand_ins=ALLOWED,
         )
         self.model_reader = TorchFile(self.model_file)
         stage = self.trees[0]["zero_stage"]
@@ -162,7 +175,11 @@ class DeepSpeedSource:
 
     def rest(self) -> dict[str, Any]:
         real = safe.load_torch(
-            self.model_file, f"{self.where}/{self.model_file.name}", mmap=True, trusted=self.trusted
+            self.model_file,
+            f"{self.where}/{self.model_file.name}",
+            mmap=True,
+            trusted=self.trusted,
+            stand_ins=ALLOWED,
         )
         return {k: v for k, v in real.items() if k not in DEEPSPEED_KEYS}
 
@@ -261,6 +278,7 @@ class DeepSpeedFormat:
     name = "deepspeed"
     any_world = False
     state = "state.ckpt"
+    allowed = ALLOWED
 
     def movable(self, meta: dict[str, Any]) -> str | None:
         return None

@@ -115,6 +115,7 @@ class LightningFormat:
     name = "lightning"
     any_world = True
     state = "state.ckpt"
+    allowed: tuple[str, ...] = ()  # torch's weights_only types only
 
     def movable(self, meta: dict[str, Any]) -> str | None:
         if not meta.get("parameter_names", False):
