@@ -5,7 +5,9 @@ purpose: an unbatched isend/irecv pair (the ring's exchange as it was), a CPU te
 an all-to-all of an NCCL-bound group in the forward, a gloo group made outside
 framework.world.host_group, two members of one NCCL group on one GPU. Two processes on gloo,
 started by torch's multiprocessing spawn; the recorder over whole `fw train` steps of the cp,
-pipeline and expert layouts: tests/distributed/test_context.py."""
+pipeline and expert layouts: tests/distributed/test_context.py. Two scans of the framework's
+source hold all of it, not only what a test runs, to rules 1 and 4: no bare point-to-point
+call, no gloo group made outside host_group."""
 
 from __future__ import annotations
 
@@ -189,16 +191,83 @@ def test_two_members_of_one_nccl_group_on_one_gpu_are_found():
     assert "members 0 and 1 would both run on GPU 0 of node0" in found
 
 
+def framework_calls():
+    """Every call in the framework's modules: (path from the repository, the function it is
+    in, the call node, the names that module binds to torch.distributed)."""
+    for path in sorted((REPO / "framework").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = distributed_names(tree)
+        for inside, call in calls(tree, ""):
+            yield str(path.relative_to(REPO)), inside, call, aliases
+
+
+def calls(node, inside: str):
+    """(the innermost function around it, call) for every call under `node`."""
+    for child in ast.iter_child_nodes(node):
+        named = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+        if isinstance(child, ast.Call):
+            yield inside, child
+        yield from calls(child, child.name if named else inside)
+
+
+def distributed_names(tree) -> dict[str, str]:
+    """{name: what it is} for the names a module binds to torch.distributed ("module") or to
+    one of its functions (that function's name)."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("torch.distributed") and a.asname:
+                    names[a.asname] = "module"
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                if a.name in ("distributed", "distributed_c10d"):
+                    names[a.asname or a.name] = "module"
+                elif node.module.startswith("torch.distributed"):
+                    names[a.asname or a.name] = a.name
+    return names
+
+
 def test_gloo_groups_are_made_only_by_host_group():
     """A gloo group made anywhere else in the framework would bind, in a multi-node CUDA job,
     to whatever the host name resolves to (the recorder finds it only in the code a test
     runs; this finds it in all of it)."""
     found = []
-    for path in (REPO / "framework").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "new_group":
-                backend = [k.value for k in node.keywords if k.arg == "backend"]
-                gloo = any(isinstance(b, ast.Constant) and b.value == "gloo" for b in backend)
-                if gloo and path.name != "world.py":
-                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    for path, _, node, _ in framework_calls():
+        if getattr(node.func, "attr", "") == "new_group":
+            backend = [k.value for k in node.keywords if k.arg == "backend"]
+            gloo = any(isinstance(b, ast.Constant) and b.value == "gloo" for b in backend)
+            if gloo and path != "framework/world.py":
+                found.append(f"{path}:{node.lineno}")
+    assert found == [], found
+
+
+DISTRIBUTED = ("torch.distributed", "torch.distributed.distributed_c10d")
+P2P_CALLS = {"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"}
+# bare point-to-point that never meets a peer's bare send: a pipeline's validation runs the
+# stages one after another, so a rank receives from the stage before it and only then sends to
+# the next (one direction at a time); recorded above ("pipeline sends")
+ONE_WAY = {
+    ("framework/parallel/pipeline/schedule.py", "_send", "send"),
+    ("framework/parallel/pipeline/schedule.py", "_recv", "recv"),
+}
+
+
+def test_point_to_point_is_issued_only_in_batches():
+    """NCCL runs a send only once the peer's receive is posted: two ranks that each first send
+    to the other without batching hang on any message above NCCL's buffers, and gloo never
+    does. The recorder holds to this rule only the steps a test records; this holds every
+    module of the framework to it: a send or receive is a `dist.P2POp` handed to
+    `dist.batch_isend_irecv`, never a bare call (the one-way chain of ONE_WAY aside)."""
+    found = []
+    for path, inside, node, aliases in framework_calls():
+        func, name = node.func, ""
+        if isinstance(func, ast.Attribute) and func.attr in P2P_CALLS:
+            owner = ast.unparse(func.value)
+            if aliases.get(owner) == "module" or owner in DISTRIBUTED:
+                name = func.attr
+        elif isinstance(func, ast.Name) and aliases.get(func.id) in P2P_CALLS:
+            name = aliases[func.id]
+        if name and (path, inside, name) not in ONE_WAY:
+            found.append(f"{path}:{node.lineno} ({inside or 'module'}): bare {name}")
     assert found == [], found
