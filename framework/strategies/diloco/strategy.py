@@ -5,7 +5,8 @@ parameters are broadcast from rank 0 once, as DDP's constructor would), so each 
 optimizer steps on its own gradients. After each inner step `Rounds.after_inner_step` runs the
 outer step of the fragments whose round ends there.
 
-A checkpoint is ddp's Lightning file (gathered to rank 0) with these differences:
+A checkpoint is ddp's Lightning file (written by rank 0 from what it holds itself; nothing is
+gathered) with these differences:
 - `state_dict` holds the outer (start-of-round) parameters: the model the processes agreed on last;
 - `optimizer_states` holds the processes' inner optimizer states averaged (what ddp, or any other
   strategy, resumes with; for a momentum buffer it is exactly ddp's), all-reduced tensor by
