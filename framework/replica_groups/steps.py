@@ -23,8 +23,9 @@ quorum), which owns the step, in the order torchft's own DDP and optimizer wrapp
   process restarted, no checkpoint read (a group that committed it while another did not is
   ahead by one step: the other heals from it at the next quorum);
 - a group that (re)joins behind the others is sent the model, optimizer, scheduler and loss
-  scaler states and the step by a live peer (the Manager's state_dict callbacks, over HTTP), and steps with
-  them from there.
+  scaler states and the step by a live peer (the Manager's state_dict callbacks, over HTTP:
+  framework/replica_groups/heal.py, which reads them as data only), and steps with them from
+  there.
 
 Lightning's step counter follows the Manager's committed step, so that every group logs the
 same step numbers, each once, and stops at the same `trainer.max_steps`. A dropped step's batch
@@ -85,6 +86,9 @@ class ReplicaSteps:
     def _start_manager(self) -> Any:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
+        from framework.launch.rendezvous import address_of
+        from framework.replica_groups.heal import HealTransport
+
         cfg = self.cfg
         timeout = timedelta(seconds=cfg.fault_timeout_s)
         host, port = self._group_store()
@@ -100,6 +104,8 @@ class ReplicaSteps:
             pg=pg,
             load_state_dict=self._load_state,
             state_dict=self._state,
+            # a heal reads only data, and serves on the address other groups reach this one at
+            checkpoint_transport=HealTransport(timeout, address_of(socket.gethostname())),
             min_replica_size=cfg.min_replicas,
             use_async_quorum=False,  # the step and a heal known before the batch's callbacks
             timeout=timeout,
