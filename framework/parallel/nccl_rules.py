@@ -161,7 +161,7 @@ class NcclRecorder(TorchDispatchMode):
 
     def _collective(self, func, args, tensors) -> None:
         name = func.overloadpacket.__name__
-        group = _group(args)
+        group = _group(func, args)
         side = next((self.side[t] for t in tensors if t in self.side), "")
         host = group is not None and group.group_desc.startswith(HOST_GROUP)
         label = group.group_name if group is not None else ""
@@ -210,16 +210,20 @@ def _is_dtensor_op(types) -> bool:
     return any(issubclass(t, DTensor) for t in types)
 
 
-def _group(args):
-    """The group a collective op was given: a ProcessGroup object (c10d ops) or its name
-    (functional collectives)."""
+def _group(func, args):
+    """The group a collective op was given, found by its argument's name: a ProcessGroup
+    object (c10d ops' `process_group`) or a group's name (functional collectives' `group_name`,
+    after other strings such as the reduce op's "sum")."""
     from torch._C._distributed_c10d import ProcessGroup
 
-    for a in args:
-        if isinstance(a, str):
-            return dist.distributed_c10d._resolve_process_group(a)
-        if isinstance(a, torch.ScriptObject):
-            return ProcessGroup.unbox(a)
+    for argument, value in zip(func._schema.arguments, args, strict=False):
+        if argument.name not in ("process_group", "group_name"):
+            continue
+        if isinstance(value, str):
+            return dist.distributed_c10d._resolve_process_group(value)
+        if isinstance(value, torch.ScriptObject):
+            return ProcessGroup.unbox(value)
+        return value if isinstance(value, ProcessGroup) else None
     return None
 
 

@@ -47,6 +47,8 @@ def assert_same(run, want, steps: int = 20) -> None:
 # activation-checkpointing ones too: full recomputes a block's collectives in backward,
 # selective keeps them)
 COUNTER = ["+callbacks.comm._target_=framework.debug.CommCounter", "+callbacks.comm.out=OUT"]
+# step 1 of every rank recorded and held to NCCL's rules (nccl-rules.json in the run)
+NCCL = ["+callbacks.nccl._target_=tests.tasks.RecordNcclRules"]
 LAYOUTS = {
     "tp2": (["strategy=tensor", "trainer.devices=2", "task.data.batch_size=8", *COUNTER], "gpt8"),
     # plain dp2xtp2: covered by its -sp-selective-ac variant below; fsdp2xtp2 (with sequence
@@ -80,6 +82,7 @@ LAYOUTS = {
             "strategy.sequence_parallel=true",
             "trainer.activation_checkpointing=selective",
             "trainer.devices=4",
+            *NCCL,
         ],
         "gpt16",
     ),
@@ -120,6 +123,15 @@ def test_tensor_parallel_layouts_reproduce_one_process_on_gpt(name, layouts, sin
         devices = int(next(a for a in args if a.startswith("trainer.devices=")).split("=")[1])
         (ours,), (whole,) = flops(run), flops(single["root"] / reference)
         assert ours == pytest.approx(whole / devices, rel=0.02)
+
+
+def test_a_fsdp_x_tensor_parallel_step_keeps_nccls_rules(layouts):
+    """The tensor-parallel all-reduces, sequence parallel's gathers and scatters and FSDP's of
+    a dp2 x tp2 step, recorded on the CPU, are handed only tensors on the device: what NCCL
+    requires and gloo forgives (framework/parallel/nccl_rules.py)."""
+    found = json.loads((layouts("dp2xtp2-sp-selective-ac") / "nccl-rules.json").read_text())
+    assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"} <= set(found["ops"])
+    assert found["violations"] == []
 
 
 def flops(run) -> set[float]:
