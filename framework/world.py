@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -131,10 +132,28 @@ def host_group(purpose: str):
 
     if is_multi_node_cuda(os.environ, dist.get_backend()):
         interface = gloo_interface(os.environ)
-        if interface and not os.environ.get(GLOO_INTERFACE_ENV):
+        if interface is None:
+            warn_without_interface()
+        elif not os.environ.get(GLOO_INTERFACE_ENV):
             os.environ[GLOO_INTERFACE_ENV] = interface  # read by gloo at each group's creation
             log.info("gloo groups bind to %s (%s)", interface, GLOO_INTERFACE_ENV)
     return dist.new_group(backend="gloo", group_desc=f"{HOST_GROUP}{purpose}")
+
+
+@functools.cache  # once per process, whatever number of groups it makes
+def warn_without_interface() -> None:
+    """Warn (each machine's first process) that this machine's gloo groups get no explicit
+    interface: the job may hang at their first collective."""
+    if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) != "0":
+        return
+    log.warning(
+        "No network interface found for the CPU-side gloo groups of this job over several "
+        "machines (the preemption vote, the loss guard, background checkpoint writes): "
+        "GLOO_SOCKET_IFNAME is unset, NCCL_SOCKET_IFNAME names no interface of this machine "
+        "exactly and the route to MASTER_ADDR gave none. Gloo binds to whatever the host name "
+        "resolves to (often 127.0.1.1), and the first collective can hang: set "
+        "GLOO_SOCKET_IFNAME to the interface the machines reach each other by (e.g. eth0)."
+    )
 
 
 def is_multi_node_cuda(environ, backend: str) -> bool:

@@ -304,6 +304,40 @@ def test_gloo_groups_of_a_multi_node_cuda_job_bind_to_an_explicit_interface(
     assert made[-1] == ("gloo", "host:vote", None)
 
 
+def test_a_gloo_group_without_an_interface_is_warned_about_once(monkeypatch, caplog):
+    """No GLOO_SOCKET_IFNAME, no usable NCCL_SOCKET_IFNAME, no route to the master: the
+    gloo group is made anyway (gloo's default binding), and each machine's first process
+    warns once, naming GLOO_SOCKET_IFNAME, instead of hanging without a word."""
+    import torch.distributed as dist
+
+    from framework import world
+
+    monkeypatch.setattr(world, "interface_addresses", lambda: {"lo": "127.0.0.1"})
+    monkeypatch.setattr(world, "route_source", lambda host: None)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    env = {"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16", "MASTER_ADDR": "node0", "LOCAL_RANK": "0"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    made = []
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(dist, "new_group", lambda backend, group_desc: made.append(group_desc))
+    world.warn_without_interface.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="framework"):
+        world.host_group("vote")
+        world.host_group("loss-guard")
+    assert made == ["host:vote", "host:loss-guard"]
+    (warned,) = [r for r in caplog.records if "GLOO_SOCKET_IFNAME" in r.getMessage()]
+    assert warned.levelno == logging.WARNING and "set GLOO_SOCKET_IFNAME" in warned.getMessage()
+    caplog.clear()
+    monkeypatch.setenv("LOCAL_RANK", "3")  # the machine's other processes stay quiet
+    world.warn_without_interface.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="framework"):
+        world.host_group("vote")
+    assert caplog.records == []
+    world.warn_without_interface.cache_clear()
+
+
 def test_grouped_experts_compute_in_bf16_under_bf16_mixed():
     """grouped_mm is not on autocast's list: under bf16-mixed the experts would run in fp32 (no
     bf16 grouped GEMM on the GPU). They take autocast's dtype, as the per-expert loop's
