@@ -26,12 +26,17 @@ gives for the device's name; recomputation under activation checkpointing is not
 peak memory (`torch.cuda.max_memory_allocated`), and the largest difference between the
 per-step losses of a row and the loop's. Rows: the loop; fw with `strategy=ddp` (one process:
 no DDP wrapper); fw with `strategy=fsdp` and `strategy=zero2` at world size 1; fw with
-`trainer.activation_checkpointing=full`. The runs alternate (loop, fw, fsdp, zero2, AC, loop,
-...); a row's figure is the median over the repeats.
+`trainer.activation_checkpointing=full`; fw with `trainer.float8=tensorwise` (torchao's float8
+matmuls in the 48 linear layers of the blocks, the head tied to the embedding staying in bf16;
+compared with fw's bf16 row: `float8_over_bf16_tokens_per_s`; its MFU is still counted against
+the bf16 peak, and its losses differ from the loop's by float8's rounding). The runs alternate
+(loop, fw, fsdp, zero2, AC, float8, loop, ...); a row's figure is the median over the repeats.
 
 `--smoke`: a tiny GPT (2 layers, width 64, sequence 32, vocabulary 256) on the CPU in fp32, one
-intra-op thread on both sides, no compile, the loop and fw only; it checks that the two sides'
-per-step losses are bitwise equal and exits 1 if not. Saves nothing.
+intra-op thread on both sides, no compile, the loop, fw and fw's float8 row (torchao's emulation
+on the CPU); it checks that the loop's and fw's per-step losses are bitwise equal, and that the
+float8 row ran with the same overrides the GPU run uses and stays within FLOAT8_SMOKE_TOLERANCE
+of fw's losses, and exits 1 if not. Saves nothing.
 
 Run from the repository root: `python -m benchmarks.gpu` (or `make bench-gpu`); needs CUDA.
 """
@@ -55,6 +60,8 @@ from benchmarks.common import ROOT, load_average, run_checked, save_results, tra
 SEED = 0
 TARGET_RATIO = 0.98  # fw tokens/s over the loop's
 TARGET_MFU = 0.45
+FLOAT8 = "fw float8"
+FLOAT8_SMOKE_TOLERANCE = 0.02  # relative, per step: float8 rounding, not another training
 VAL_FRACTION = 0.05  # the recipe's held-out share of the corpus
 PLAIN = "plain"
 # fw rows: name -> overrides on top of the common ones
@@ -63,6 +70,7 @@ FW_ROWS = {
     "fw fsdp": ["strategy=fsdp"],
     "fw zero2": ["strategy=zero2"],
     "fw AC full": ["trainer.activation_checkpointing=full"],
+    FLOAT8: ["trainer.float8=tensorwise"],
 }
 LABELS = {
     PLAIN: "plain PyTorch loop",
@@ -70,6 +78,7 @@ LABELS = {
     "fw fsdp": "fw train strategy=fsdp",
     "fw zero2": "fw train strategy=zero2",
     "fw AC full": "fw train, AC full",
+    FLOAT8: "fw train, float8 tensorwise",
 }
 
 
@@ -321,11 +330,18 @@ def print_table(size: Size, model: dict, device: str, rows: dict) -> None:
         )
 
 
+def float8_over_bf16(rows: dict) -> float | None:
+    """fw's float8 row's tokens/s over fw's bf16 row's (None where either failed)."""
+    float8, bf16 = rows.get(FLOAT8, {}).get("tokens_per_s"), rows.get("fw", {}).get("tokens_per_s")
+    return float8 / bf16 if float8 and bf16 else None
+
+
 def goals(rows: dict) -> dict:
-    """The two goals, on the fw row (MFU also on the loop's)."""
+    """The two goals, on the fw row (MFU also on the loop's), and float8's speed-up (no goal)."""
     fw, plain = rows.get("fw", {}), rows.get(PLAIN, {})
     ratio = fw.get("ratio_to_plain")
     mfu = fw.get("mfu")
+    speedup = float8_over_bf16(rows)
     result = {
         "fw_over_plain_tokens_per_s": ratio,
         "fw_over_plain_goal": TARGET_RATIO,
@@ -334,6 +350,7 @@ def goals(rows: dict) -> dict:
         "plain_mfu": plain.get("mfu"),
         "mfu_goal": TARGET_MFU,
         "mfu_met": mfu >= TARGET_MFU if mfu is not None else None,
+        "float8_over_bf16_tokens_per_s": speedup,
     }
     print(
         f"goal fw tokens/s >= {TARGET_RATIO} x plain: "
@@ -341,6 +358,7 @@ def goals(rows: dict) -> dict:
     )
     shown = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
     print(f"goal MFU >= {100 * TARGET_MFU:.0f}% (fw): {shown} -> {verdict(result['mfu_met'])}")
+    print(f"float8 tokens/s / bf16 tokens/s (fw): {'n/a' if speedup is None else f'{speedup:.3f}'}")
     return result
 
 
@@ -354,6 +372,13 @@ def smoke_check(runs: dict[str, list[dict]]) -> None:
     if fw["losses"] != plain["losses"]:
         sys.exit(f"smoke: per-step losses differ over {steps} steps, max |difference| {diff:.3g}")
     print(f"smoke: per-step losses of fw and plain bitwise equal over {steps} steps")
+    float8 = runs[FLOAT8][0]
+    if "error" in float8:
+        sys.exit("smoke: the float8 row failed:\n" + float8["error"])
+    apart = max(abs(a - b) / b for a, b in zip(float8["losses"], fw["losses"], strict=True))
+    if float8["losses"] == fw["losses"] or apart > FLOAT8_SMOKE_TOLERANCE:
+        sys.exit(f"smoke: float8's losses are not float8-rounded fw's: {apart:.3g} apart at most")
+    print(f"smoke: the float8 row's per-step losses within {apart:.2%} of fw's over {steps} steps")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -371,9 +396,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
+    from framework.parallel.float8 import MIN_CAPABILITY
+
     args = parse_args(argv)
     if args.smoke:
-        size, names, repeats = SMOKE, [PLAIN, "fw"], 1
+        size, names, repeats = SMOKE, [PLAIN, "fw", FLOAT8], 1
     else:
         if not torch.cuda.is_available():
             sys.exit("benchmarks.gpu needs a CUDA device (use --smoke for the CPU check)")
@@ -385,6 +412,10 @@ def main(argv: list[str] | None = None) -> None:
             compile=not args.no_compile,
         )
         names, repeats = [PLAIN, *FW_ROWS], args.repeats
+        capability = torch.cuda.get_device_capability()
+        if capability < MIN_CAPABILITY:  # no float8 matmuls: fw refuses trainer.float8
+            names.remove(FLOAT8)
+            print(f"float8 row left out: compute capability {capability[0]}.{capability[1]}")
     load_at_start = load_average()
     model = model_figures(size)
     runs: dict[str, list[dict]] = {name: [] for name in names}
