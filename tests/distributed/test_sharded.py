@@ -31,11 +31,12 @@ GPT = ["experiment=gpt_tiny", "trainer.val_check_interval=20", "task.scheduler.n
 
 # digits runs kept with their checkpoints (for export too) and what each rank held (ShardCounter);
 # zero3 partitions every parameter (by default it keeps those under 1e5 elements whole: all of
-# digits' and gpt_tiny's)
+# digits' and gpt_tiny's); its step 1 is recorded and held to NCCL's rules (nccl-rules.json)
+NCCL = ["+callbacks.nccl._target_=tests.tasks.RecordNcclRules"]
 SAVED = {
     "zero1": [],
     "zero2": [],
-    "zero3": ["strategy.param_persistence_threshold=0"],
+    "zero3": ["strategy.param_persistence_threshold=0", *NCCL],
     "fsdp": [],
 }
 
@@ -89,6 +90,15 @@ def test_sharded_reproduces_ddp_on_gpt(strategy, ddp_losses, workdir):
     got, want = losses(workdir / "run"), ddp_losses["gpt"]
     assert sorted(got) == sorted(want) and len(got) == 20
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+
+
+def test_a_zero3_step_keeps_nccls_rules(digits_runs):
+    """DeepSpeed's gathers and reduce-scatters of a ZeRO-3 step, recorded on the CPU, are
+    handed only tensors on the device and its point-to-point is batched: what NCCL requires
+    and gloo forgives (framework/parallel/nccl_rules.py)."""
+    found = json.loads((digits_runs / "zero3" / "nccl-rules.json").read_text())
+    assert {"_allgather_base_", "_reduce_scatter_base_"} <= set(found["ops"]), found["ops"]
+    assert found["violations"] == []
 
 
 def shard_counts(digits_runs, strategy: str) -> list[dict]:
