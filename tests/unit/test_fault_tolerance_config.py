@@ -149,6 +149,39 @@ def test_replica_groups_on_one_machine_take_gpus_of_their_own(devices):
     assert all(d.type == "cuda" for group in placed.values() for d in group)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sharded_replica_groups_on_one_machine_take_gpus_of_their_own(devices):
+    """The same under strategy=fsdp: each group's FSDP2 processes (Lightning's
+    parallel_devices, by local rank) are GPUs g x devices .. g x devices + devices - 1, not
+    every group's cuda:0 .. devices - 1."""
+    from framework.parallel.transforms import ModelTransforms
+    from framework.strategies import parallel
+    from framework.strategy_base import StrategyInputs
+
+    world = cuda_world(devices)
+    placed = {}
+    for group in range(3):
+        cfg = parallel.Config(
+            kind="parallel",
+            fsdp=-1,
+            fault_tolerance="torchft",
+            lighthouse="127.0.0.1:29510",
+            replica_groups=3,
+            replica_group=group,
+            groups_per_machine=3,
+        )
+        inputs = StrategyInputs(
+            transforms=ModelTransforms(False, False),
+            data_parallel=parallel.data_parallel(cfg, world),
+        )
+        strategy = parallel.build(cfg, world, inputs)
+        placed[group] = strategy.parallel_devices
+        assert strategy.root_device == placed[group][0]  # local rank 0's
+    gpus = [d.index for group in range(3) for d in placed[group]]
+    assert gpus == list(range(3 * devices)), placed
+    assert all(d.type == "cuda" for group in placed.values() for d in group)
+
+
 def test_groups_that_would_share_a_gpu_are_refused_before_launch(monkeypatch):
     """The check of every NCCL group's (machine, GPU) members (framework.parallel.nccl_rules),
     with the GPU choice planted back to what it was (every group from cuda:0)."""
