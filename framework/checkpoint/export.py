@@ -66,8 +66,7 @@ def export(
     if writer is not None:
         writer.check_options(max_shard_size)  # refused before any reading
     ckpt = disk.resolve(source, "source")
-    if not trust:
-        resume.check_safe(ckpt, "source")
+    resume.check_safe(ckpt, "source", trust)
     try:
         reader = formats.open_checkpoint(ckpt, trusted=trust)
     except NotPortable as err:

@@ -55,18 +55,31 @@ def choose(
             return None
     else:
         ckpt = disk.resolve(Path(mode), "resume")
-    if not trust:
-        check_safe(ckpt, "resume")
+    check_safe(ckpt, "resume", trust)
     check_compatible(ckpt, config)
     check_layout(ckpt, ckpt_format, world_size, check_move)
     return ckpt
 
 
-def check_safe(ckpt: Path, key: str) -> None:
-    """Refuse a checkpoint that loading could make run code; `--trust` loads it anyway."""
+def check_safe(ckpt: Path, key: str, trust: bool = False) -> None:
+    """Refuse a checkpoint that loading could make run code; `trust` (`--trust`) loads its
+    pickles anyway. A link inside it is refused either way (every open refuses one; refused
+    here, it is an exit 2 before any process starts)."""
     from framework.checkpoint.portable import NotPortable
-    from framework.checkpoint.safe import UnsafeCheckpoint, check_checkpoint
+    from framework.checkpoint.safe import UnsafeCheckpoint, check_checkpoint, check_tree
 
+    try:
+        check_tree(ckpt)
+    except UnsafeCheckpoint as err:
+        raise ConfigError(
+            key,
+            str(ckpt),
+            f"is not a plain checkpoint directory: {err}",
+            hint="A checkpoint this framework writes holds no link, so --trust does not load "
+            "one; copy a checkpoint you trust without its links (cp -rL) to load it.",
+        ) from None
+    if trust:
+        return
     try:
         check_checkpoint(ckpt)
     except NotPortable as err:

@@ -10,7 +10,10 @@ of every format (framework/checkpoint/formats/) go through these functions only:
   is never imported to read a checkpoint);
 - plain pickles (DCP's `.metadata`): an unpickler that allows only the classes the format lists;
   DCP's byte entries: torch's `weights_only` unpickler;
-- the directory itself: no link (inside it or leaving it), nothing but plain files and folders.
+- the directory itself: no link (inside it or leaving it), nothing but plain files and folders,
+  checked by every open of a checkpoint (`formats.open_checkpoint`), trusted or not, so no load
+  skips it: a resume, an automatic restart, an elastic generation, a SLURM requeue, the loss
+  guard's rollback, an export.
 
 `check_checkpoint` runs the same readers over a checkpoint before any process starts (a resume,
 an automatic restart, `fw export`), so what is checked is what is loaded, and a refusal is an
@@ -25,7 +28,6 @@ import contextlib
 import os
 import pickle
 import re
-import stat
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -134,21 +136,23 @@ def load_pickle(path: Path, allowed: set[str], where: str | Path, trusted: bool 
 
 def check_tree(root: Path) -> None:
     """Nothing in the checkpoint directory `root` is a link or anything but a plain file or a
-    folder (a link could point a reader anywhere on the machine)."""
+    folder (a link could point a reader anywhere on the machine). Runs on every open of a
+    checkpoint, on every rank: one directory listing per folder, the entries' types as the
+    listing gives them (no stat of each file on file systems that report types)."""
     if root.is_symlink():
         raise UnsafeCheckpoint(f"{root.name} is a link; a checkpoint is a plain directory")
-    for folder, dirs, names in os.walk(root, followlinks=False):
-        for name in (*dirs, *names):
-            path = Path(folder) / name
-            mode = path.lstat().st_mode
-            if stat.S_ISLNK(mode):
-                raise UnsafeCheckpoint(
-                    f"{path.relative_to(root.parent)} is a link, which a checkpoint never holds"
-                )
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                raise UnsafeCheckpoint(
-                    f"{path.relative_to(root.parent)} is not a plain file or folder"
-                )
+    folders = [root]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    where = Path(entry.path).relative_to(root.parent)
+                    raise UnsafeCheckpoint(f"{where} is a link, which a checkpoint never holds")
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(Path(entry.path))
+                elif not entry.is_file(follow_symlinks=False):
+                    where = Path(entry.path).relative_to(root.parent)
+                    raise UnsafeCheckpoint(f"{where} is not a plain file or folder")
 
 
 def inside(root: Path, relative: str, what: str) -> Path:
@@ -160,12 +164,11 @@ def inside(root: Path, relative: str, what: str) -> Path:
 
 
 def check_checkpoint(ckpt: Path) -> None:
-    """Raise UnsafeCheckpoint unless the checkpoint directory `ckpt` reads as data: its tree,
-    then every file its format's reader opens, opened as a load opens them (no tensor data
-    read)."""
+    """Raise UnsafeCheckpoint unless the checkpoint directory `ckpt` reads as data: its tree
+    (checked by every open, formats.open_checkpoint), then every file its format's reader
+    opens, opened as a load opens them (no tensor data read)."""
     from framework.checkpoint import formats
 
-    check_tree(ckpt)
     with contextlib.closing(formats.open_checkpoint(ckpt)) as source:
         source.model()
         source.optimizers()

@@ -46,16 +46,24 @@ def with_restarts(
 
 def check_restart(run_dir: Path, ckpt: Path | None) -> None:
     """A checkpoint a restart resumes from reads as data (framework/checkpoint/safe.py), as the
-    one the job started from was checked before launch; WorkerFailure otherwise."""
+    one the job started from was checked before launch (a run that trusts its checkpoints: its
+    tree only, no link); WorkerFailure otherwise. Called once per node by `with_restarts` and by
+    each elastic generation of launcher=local; a SLURM requeue leaves it to each task's own
+    load (type-restricted, and its open refuses links: formats.open_checkpoint), rather than
+    every task reading every file of the checkpoint."""
     import yaml
 
-    from framework.checkpoint.safe import UnsafeCheckpoint, check_checkpoint
+    from framework.checkpoint.safe import UnsafeCheckpoint, check_checkpoint, check_tree
 
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    if ckpt is None or (config.get("run") or {}).get("trust_checkpoint"):
+    if ckpt is None:
         return
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    trusted = (config.get("run") or {}).get("trust_checkpoint")
     try:
-        check_checkpoint(ckpt)
+        if trusted:
+            check_tree(ckpt)
+        else:
+            check_checkpoint(ckpt)
     except UnsafeCheckpoint as err:
         raise WorkerFailure(f"the checkpoint to restart from is refused: {err}") from None
 

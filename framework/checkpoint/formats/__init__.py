@@ -78,6 +78,12 @@ def of(meta: dict[str, Any]) -> Any:
 
 
 def open_checkpoint(ckpt: Path, trusted: bool = False) -> Source:
-    """A Source over the checkpoint directory `ckpt`, in the format its meta.json records."""
+    """A Source over the checkpoint directory `ckpt`, in the format its meta.json records, once
+    its tree holds no link nor anything but files and folders (safe.check_tree; trusted or
+    not: `trusted` is about pickles). Every read of a checkpoint opens it here, so none skips
+    the check (UnsafeCheckpoint)."""
+    from framework.checkpoint import safe
+
+    safe.check_tree(ckpt)
     fmt = of(disk.read_meta(ckpt))
     return fmt.open(ckpt / fmt.state, trusted)

@@ -33,7 +33,13 @@ from framework.errors import EXIT_PREEMPTED, EXIT_TERMINATED, ConfigError
 from framework.launch import rendezvous
 from framework.launch.outcomes import WorkersPreempted, describe_failures, preempted_message
 from framework.launch.preload import Preload
-from framework.launch.restarts import WorkerFailure, after, record_restart, with_restarts
+from framework.launch.restarts import (
+    WorkerFailure,
+    after,
+    check_restart,
+    record_restart,
+    with_restarts,
+)
 from framework.launch.signals import PREEMPT_SIGNALS, child_pids, forward_signals, signal_workers
 from framework.logs import scrub_every_handler
 from framework.processes import python
@@ -266,6 +272,7 @@ def run_elastic(
     while True:
         if generation > 0:
             resume_from = disk.newest_complete(run_dir / "checkpoints") or resume_from
+            check_restart(run_dir, resume_from)  # as with_restarts checks it
         fewest = cfg.min_nodes if generation else world.num_nodes
         try:
             fewest = generations.expected(generation) or fewest
