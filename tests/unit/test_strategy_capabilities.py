@@ -81,3 +81,21 @@ def test_a_resume_into_another_strategy_names_both_as_their_plugins_describe_the
     assert config_changes(fsdp_tp, gone, describe_strategy)[1] == [
         "strategy: parallel(fsdp=-1, tp=2) -> not_installed.plugin"
     ]
+
+
+def test_fw_plans_candidates_are_what_the_strategy_plugins_propose(monkeypatch):
+    """`fw plan` tries the layouts each strategy plugin proposes (`plan_candidates`), in the
+    family's order, and nothing else: a plugin that proposes another layout adds it."""
+    from framework.plugins import builtin_kinds
+    from framework.preflight.planner import layouts
+
+    proposed = [
+        candidate
+        for kind in builtin_kinds("strategy", ordered=True)
+        for candidate in capability(load_plugin("strategy", kind, "k"), "plan_candidates")(8, 8)
+    ]
+    assert layouts(8, 8) == proposed and ("ddp", ["strategy=ddp"]) in proposed
+    ddp = load_plugin("strategy", "ddp", "k")
+    monkeypatch.setattr(ddp, "plan_candidates", lambda gpus, tp: [("ddp-wide", ["strategy=ddp"])])
+    assert ("ddp-wide", ["strategy=ddp"]) in layouts(8, 8)
+    assert ("ddp", ["strategy=ddp"]) not in layouts(8, 8)
