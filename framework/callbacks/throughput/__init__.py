@@ -13,7 +13,7 @@ Every `window` optimizer steps rank 0 works out these figures, averaged over the
 | perf/mfu | perf/tflops_per_device / the device's peak (trainer.peak_tflops, else the known GPU's dense bf16 peak); not logged when neither is known (the CPU) |
 | perf/memory_peak_gib | CUDA: the most memory allocated so far; CPU: the process's peak resident set |
 | perf/memory_reserved_gib | CUDA: the most memory the caching allocator reserved so far |
-| perf/data_wait_ms | the time from the end of one batch to the start of the next, in which the loader hands over the next batch; a warning names the loader when it exceeds `warn_data_wait` of the step time |
+| perf/data_wait_ms | the time from the end of one batch to the start of the next, in which the loader hands over the next batch; a warning names the loader when it exceeds `warn_data_wait` of the step time and matters in seconds (at least 5 ms a batch, and 1 s in all after the first window) |
 
 FLOPs are counted, not estimated: the first training batch runs under a dispatch mode that adds
 up, with torch's FlopCounterMode formulas, the FLOPs of every matrix multiplication and attention
@@ -42,7 +42,8 @@ class Config:
     )
     warn_data_wait: float = doc(
         0.1,
-        "Warn (once) when waiting for data takes more than this share of the step time (0: never).",
+        "Warn (once) when waiting for data takes more than this share of the step time, at least "
+        "5 ms a batch and 1 s in all after the first window (0: never).",
         min=0,
     )
 
