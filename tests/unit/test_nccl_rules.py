@@ -12,6 +12,7 @@ call, no gloo group made outside host_group."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 
@@ -191,14 +192,16 @@ def test_two_members_of_one_nccl_group_on_one_gpu_are_found():
     assert "members 0 and 1 would both run on GPU 0 of node0" in found
 
 
-def framework_calls():
+@functools.cache  # parsed once for both scans
+def framework_calls() -> list:
     """Every call in the framework's modules: (path from the repository, the function it is
     in, the call node, the names that module binds to torch.distributed)."""
+    found = []
     for path in sorted((REPO / "framework").rglob("*.py")):
         tree = ast.parse(path.read_text())
         aliases = distributed_names(tree)
-        for inside, call in calls(tree, ""):
-            yield str(path.relative_to(REPO)), inside, call, aliases
+        found += [(str(path.relative_to(REPO)), f, call, aliases) for f, call in calls(tree, "")]
+    return found
 
 
 def calls(node, inside: str):
