@@ -54,8 +54,11 @@ def export(
     `max_shard_size`: the largest safetensors file of `fmt="hf"`."""
     if fmt not in FORMATS:
         raise ConfigError("--format", fmt, "unknown export format", list(FORMATS))
-    if max_shard_size is not None and fmt != "hf":
-        raise ConfigError("--max-shard-size", max_shard_size, "applies to --format hf only")
+    if max_shard_size is not None and FORMATS[fmt] is None:
+        sharded = [name for name, module in FORMATS.items() if module]
+        raise ConfigError(
+            "--max-shard-size", max_shard_size, f"does not apply to --format {fmt}", sharded
+        )
     if out.exists() and not force:
         raise ConfigError(
             "out", str(out), "already exists", hint="Choose another path or add --force."

@@ -100,10 +100,10 @@ def needs_move(meta: dict[str, Any], ckpt_format: str, world_size: int) -> bool:
     the log and checked against the strategy's own limits (`check_move`)."""
     from framework.checkpoint import formats
 
-    saved_format, saved_world = meta.get("format", "lightning"), int(meta.get("world_size", 1))
-    if saved_format != ckpt_format:
+    saved = formats.of(meta)
+    if saved.name != ckpt_format:
         return True
-    return not formats.named(saved_format).any_world and saved_world != world_size
+    return not saved.any_world and int(meta.get("world_size", 1)) != world_size
 
 
 def check_layout(
@@ -122,8 +122,8 @@ def check_layout(
     meta = disk.read_meta(ckpt)
     if not needs_move(meta, ckpt_format, world_size):
         return
-    saved_format = meta.get("format", "lightning")
-    problem = formats.named(saved_format).movable(meta)
+    saved = formats.of(meta)
+    problem = saved.movable(meta)
     if problem:
         raise ConfigError(
             "strategy",
@@ -136,12 +136,12 @@ def check_layout(
     if check_move is not None:  # the strategy's own limits (e.g. DeepSpeed's NVMe offload)
         check_move(
             f"the checkpoint {ckpt.name} was written by {meta.get('world_size', 1)} "
-            f"process(es) in the '{saved_format}' layout"
+            f"process(es) in the '{saved.name}' layout"
         )
     log.info(
         "Moving checkpoint %s: %s with %s process(es) -> %s with %d",
         ckpt.name,
-        saved_format,
+        saved.name,
         meta.get("world_size", 1),
         ckpt_format,
         world_size,

@@ -240,6 +240,8 @@ def test_bad_requests_exit_2_and_write_nothing(runs, workdir, capsys):
         [str(runs["tensor"]), out, "--format=hf", "--max-shard-size=H100"], workdir, capsys
     )
     assert "--max-shard-size=H100" in err
+    err = refused_export([str(runs["tensor"]), out, "--max-shard-size=1GB"], workdir, capsys)
+    assert "--max-shard-size=1GB" in err and "--format pt" in err and "hf" in err
     (workdir / "hf").mkdir()
     err = refused_export([str(runs["tensor"]), out, "--format", "hf"], workdir, capsys)
     assert "already exists" in err
