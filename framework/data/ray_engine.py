@@ -72,13 +72,15 @@ def ray_cluster(workers: int) -> Iterator[None]:
     with `workers` CPUs; shut down (this machine's one stopped) on the way out."""
     import ray
 
+    from framework.processes import init_ray
+
     address = os.environ.get("RAY_ADDRESS")
     if not address:
-        ray.init(address="local", num_cpus=workers, include_dashboard=False)
+        init_ray("local", num_cpus=workers, include_dashboard=False)
     else:
         try:
             listening(address)  # Ray itself retries a silent address for many minutes
-            ray.init()
+            init_ray(None)
         except (OSError, ray.exceptions.AuthenticationError) as error:
             raise ConfigError(
                 "RAY_ADDRESS",

@@ -3,6 +3,8 @@ stray `torch.py` there is not imported."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import QUIET, fw
 
 USER_TASK = """
@@ -76,3 +78,130 @@ def test_the_pythons_fw_starts_itself_import_no_stray_module(workdir, monkeypatc
     monkeypatch.chdir(workdir)
     ask_gcs("127.0.0.1:1", 4)  # nothing answers there; the probe is killed at the deadline
     assert not ray_ran.exists(), "the Ray probe imported the stray ray.py"
+
+
+def stand_in_slurm(workdir):
+    """A folder of stand-ins for `sbatch` (accepts job 4242, keeping the environment it was
+    called with, which SLURM hands the job, in `sbatch.env` beside the script) and `srun` (runs
+    its command as the job's one task, here): launcher=slurm without a SLURM cluster."""
+    bin_dir = workdir.parent / "slurm-bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/sh\nenv -0 > "$(dirname "$1")/sbatch.env"\necho "Submitted batch job 4242"\n'
+    )
+    (bin_dir / "srun").write_text(
+        "#!/bin/sh\n"
+        'while [ "${1#-}" != "$1" ]; do\n'  # srun's options, then the task's command
+        '  case "$1" in --unbuffered) shift ;; *) shift 2 ;; esac\n'
+        "done\n"
+        'exec "$@"\n'
+    )
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
+def run_slurm_job(workdir, run_dir):
+    """The submission script `fw train launcher=slurm` left, run as SLURM runs it on one node
+    (in the directory the job was submitted from, with sbatch's environment and the variables
+    SLURM gives a task)."""
+    import subprocess
+
+    kept = (run_dir / "slurm" / "sbatch.env").read_text().split("\0")
+    env = {
+        **dict(line.split("=", 1) for line in kept if "=" in line),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_TASKS_PER_NODE": "1",
+        "MASTER_PORT": "29555",
+    }
+    script = run_dir / "slurm" / "4242_submission.sh"
+    return subprocess.run(
+        ["bash", str(script)], cwd=workdir, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_a_slurm_jobs_task_imports_no_stray_torch_py_and_finds_the_users_task(workdir):
+    """launcher=slurm: sbatch runs the job in the directory `fw` was submitted from, and
+    submitit's `python -m submitit.core._submit` would put that directory first on sys.path:
+    the task's Python runs with -P and appends it, so the user's task trains and torch is
+    torch."""
+    import os
+    import subprocess
+
+    from tests.conftest import FW, fw_env
+
+    bin_dir = stand_in_slurm(workdir)
+    marker = stray(workdir, "torch")
+    (workdir / "my_task.py").write_text(USER_TASK)
+    args = ["task._target_=my_task.WideDigits", "~task.model.dropout", "+task.model.width=7"]
+    job = ["launcher=slurm", "trainer.max_steps=2", "run.dir=run", *QUIET]
+    env = {**fw_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    submitted = subprocess.run(
+        [str(FW), "train", *args, *job], cwd=workdir, env=env, capture_output=True, text=True
+    )
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    assert not marker.exists(), "fw imported the stray torch.py"
+    done = run_slurm_job(workdir, workdir / "run")
+    assert not marker.exists(), "the SLURM task imported the stray torch.py"
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (workdir / "run" / "checkpoints" / "step00000002").is_dir(), "the user's task trained"
+
+
+@pytest.mark.slow
+def test_ray_ranks_import_no_stray_torch_py_and_find_the_users_task(workdir):
+    """launcher=ray (a Ray cluster started on this machine): Ray puts the directory its driver
+    connects from first on every worker's sys.path; `fw` connects from a neutral one and each
+    worker appends the user's: the rank trains the user's task, and torch is torch."""
+    marker = stray(workdir, "torch")
+    (workdir / "my_task.py").write_text(USER_TASK)
+    args = ["task._target_=my_task.WideDigits", "~task.model.dropout", "+task.model.width=7"]
+    job = ["launcher=ray", "launcher.address=local", "trainer.max_steps=2", "run.dir=run"]
+    result = fw("train", *args, *job, *QUIET, cwd=workdir)
+    assert not marker.exists(), "a Ray worker imported the stray torch.py"
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (workdir / "run" / "checkpoints" / "step00000002").is_dir(), "the user's task trained"
+
+
+USER_ENCODER = """
+def where():
+    import torch
+
+    return torch.__file__
+"""
+
+
+@pytest.mark.slow
+def test_ray_preparation_workers_import_no_stray_torch_py_and_find_the_users_encoder(workdir):
+    """`fw prepare --engine ray` (its Ray, on this machine): a Ray task runs a function of the
+    user's module, as the workers run a data module's encoder: found, and torch is torch."""
+    import subprocess
+
+    from framework.processes import python
+    from tests.conftest import fw_env
+
+    marker = stray(workdir, "torch")
+    (workdir / "my_encoder.py").write_text(USER_ENCODER)
+    driver = (
+        "import os, sys\n"
+        "sys.path.append(os.getcwd())  # as fw does\n"
+        "import ray, my_encoder\n"
+        "from framework.data.ray_engine import ray_cluster\n"
+        "with ray_cluster(1):\n"
+        "    print(ray.get(ray.remote(my_encoder.where).remote()))\n"
+    )
+    env = {key: value for key, value in fw_env().items() if key != "RAY_ADDRESS"}
+    done = subprocess.run(
+        python("-c", driver), cwd=workdir, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert not marker.exists(), "a Ray worker imported the stray torch.py"
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "site-packages" in done.stdout.strip().splitlines()[-1], done.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from framework.errors import ConfigError
-from framework.processes import python
+from framework.processes import init_ray, python
 from framework.world import World
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def connect(address: str, key: str, world: World, cfg: Config) -> None:
         cpus = max(os.cpu_count() or 1, world.world_size * cfg.cpus_per_rank)
         options.update(num_cpus=cpus, include_dashboard=False)
     try:
-        ray.init(address=address, **options)
+        init_ray(address, **options)
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as err:
         raise ConfigError(
             key,

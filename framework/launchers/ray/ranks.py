@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from framework.launch.outcomes import WorkersPreempted, preempted_message
 from framework.launchers.ray.cluster import bundle, fmt, send_signal
+from framework.processes import find_user_modules
 from framework.secrets import ENV as SECRETS_ENV
 from framework.watchdog import HEARTBEAT_ENV, STACK_SIGNAL, WATCHED, Watchdog
 from framework.world import RESTART_ENV, World
@@ -63,10 +63,7 @@ class Rank:
         """Train as the rank `env` names; {'status': finished|preempted|terminated|failed,
         'error': ...}."""
         os.environ.update(env)
-        if os.path.isdir(cwd):  # the user's modules, as fw finds them
-            os.chdir(cwd)
-            if cwd not in sys.path:
-                sys.path.append(cwd)
+        find_user_modules(cwd)  # the user's modules, as fw finds them
         from framework import worker
 
         stopped: list = []

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from framework.config.fields import doc
 from framework.errors import ConfigError
+from framework.processes import find_user_modules, python
 from framework.world import RESTART_ENV, World, global_rank
 
 if TYPE_CHECKING:
@@ -121,10 +122,8 @@ def build(cfg: Config, plan: JobPlan):
     world = plan.world
 
     def launch(config_path: Path, resume_from: Path | None = None) -> None:
-        import submitit
-
         run_dir = config_path.parent
-        executor = submitit.SlurmExecutor(folder=run_dir / "slurm", max_num_timeout=0)
+        executor = slurm_executor(run_dir / "slurm")
         options = {"signal": f"{cfg.signal}@{cfg.signal_delay_s}", **cfg.sbatch}
         tasks, cpus, srun_args = world.devices, cfg.cpus_per_task, None
         if elastic(cfg, world):  # one agent per node, which SLURM lets die alone
@@ -169,6 +168,17 @@ def build(cfg: Config, plan: JobPlan):
         )
 
     return launch
+
+
+def slurm_executor(folder: Path):
+    """submitit's executor, its tasks' Python started with -P (sbatch runs the job in the
+    directory `fw` was started from: a stray `torch.py` there is not imported in place of
+    torch; the Task appends the directory for the user's modules)."""
+    import shlex
+
+    import submitit
+
+    return submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=shlex.join(python()))
 
 
 @contextlib.contextmanager
@@ -229,6 +239,7 @@ class Task:
         from framework.checkpoint import disk
         from framework.external import check_world
 
+        find_user_modules(os.getcwd())  # started with -P: the user's modules, after the packages
         run_dir = Path(self.config_path).parent
         requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         os.environ[RESTART_ENV] = str(requeued)
