@@ -51,15 +51,19 @@ def scrub_every_handler() -> None:
                 handler.addFilter(SCRUB)
 
 
-def _print_exception(kind, value, traceback) -> None:
-    """sys.excepthook: an uncaught exception's traceback as Python prints it, secrets replaced
-    (a task's exception in the one process that trains, or in a spawned worker)."""
-    import traceback as tb
+def format_exception(err: BaseException) -> str:
+    """`err`'s traceback as Python prints it (its causes too), secrets replaced."""
+    import traceback
 
     from framework.secrets import redact_text
 
-    text = "".join(tb.format_exception(kind, value, traceback))
-    sys.stderr.write(redact_text(text, _secrets()))
+    return redact_text("".join(traceback.format_exception(err)), _secrets())
+
+
+def _print_exception(kind, value, traceback) -> None:
+    """sys.excepthook: an uncaught exception's traceback as Python prints it, secrets replaced
+    (a task's exception in the one process that trains, or in a spawned worker)."""
+    sys.stderr.write(format_exception(value.with_traceback(traceback)))
 
 
 def _print_thread_exception(args) -> None:

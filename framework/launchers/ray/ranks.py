@@ -9,15 +9,17 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from framework.launch.outcomes import WorkersPreempted, preempted_message
 from framework.launchers.ray.cluster import bundle, fmt, send_signal
+from framework.logs import format_exception
 from framework.processes import find_user_modules
 from framework.secrets import ENV as SECRETS_ENV
+from framework.secrets import process_secrets, redact_text
 from framework.watchdog import HEARTBEAT_ENV, STACK_SIGNAL, WATCHED, Watchdog
 from framework.world import RESTART_ENV, World
 
@@ -72,8 +74,11 @@ class Rank:
         except worker.Terminated:  # SIGTERM with no checkpoint taken on it
             return {"status": "terminated"}
         except BaseException as err:  # noqa: BLE001 - SystemExit too: reported as this rank's
-            traceback.print_exc()
-            return {"status": "failed", "error": f"{type(err).__name__}: {err}".strip()}
+            # the task's exception may hold a secret value: Ray shows the rank's output on the
+            # console and keeps it in its logs
+            sys.stderr.write(format_exception(err))
+            error = redact_text(f"{type(err).__name__}: {err}".strip(), process_secrets())
+            return {"status": "failed", "error": error}
         return {"status": "preempted" if stopped else "finished"}
 
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("framework.launcher")
 
-__all__ = ["Config", "Task", "build", "join", "redact_scripts", "validate"]
+__all__ = ["Config", "Task", "TaskFailed", "build", "join", "redact_scripts", "validate"]
 
 
 @dataclass
@@ -216,6 +216,11 @@ def redact_scripts(folder: Path) -> None:
             files.write_atomic(script, shown, mode=script.stat().st_mode & files.FILE_MODE)
 
 
+class TaskFailed(RuntimeError):
+    """A task's exception, as its traceback with secrets replaced: what submitit keeps and
+    prints of it."""
+
+
 class Task:
     """What every SLURM task runs: train as the rank SLURM gives it; when a preemption signal
     stopped training (a checkpoint was saved), rank 0 requeues the job."""
@@ -235,6 +240,17 @@ class Task:
         self.min_nodes = min_nodes  # an elastic job: this task is its node's agent
 
     def __call__(self) -> str:
+        try:
+            return self.train()
+        except Exception as err:  # what submitit catches
+            # submitit keeps the traceback it catches in RUN_DIR/slurm/*_result.pkl and prints
+            # it in the task's log: the task's exception may hold a secret value
+            from framework.logs import format_exception
+
+            raise TaskFailed(format_exception(err)) from None
+
+    def train(self) -> str:
+        """Train as this task's rank (or as its node's agent); 'finished' or 'preempted'."""
         from framework import worker
         from framework.checkpoint import disk
         from framework.external import check_world
