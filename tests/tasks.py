@@ -377,6 +377,39 @@ class LocalShapes(pl.Callback):
             json.dump(shapes, fh)
 
 
+class EngineInputs(pl.Callback):
+    """Writes, per rank, what DeepSpeed's engine is handed as its model (DeepSpeed's own entry,
+    `DeepSpeedEngine._configure_distributed_model`, wrapped when the job sets up): the bytes of
+    parameter data the rank holds whole at that moment, which the engine would cast to low
+    precision and move to the device whole, and whether every parameter is a ZeRO-3 partition
+    already (then DeepSpeed does neither)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import json
+
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        configure = DeepSpeedEngine._configure_distributed_model
+        path = os.path.join(self.out, f"engine-rank{trainer.global_rank}.json")
+
+        def recorded(engine, model):
+            params = list(model.parameters())
+            with open(path, "w") as fh:
+                json.dump(
+                    {
+                        "whole_bytes": sum(p.data.numel() * p.data.element_size() for p in params),
+                        "partitioned": all(hasattr(p, "ds_id") for p in params),
+                    },
+                    fh,
+                )
+            return configure(engine, model)
+
+        DeepSpeedEngine._configure_distributed_model = recorded
+
+
 class EvenFirstSampler(torch.utils.data.Sampler):
     """A custom sampler: even indices, then odd ones."""
 

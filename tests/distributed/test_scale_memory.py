@@ -139,15 +139,23 @@ def llama_dir(root: Path) -> Path:
 
 
 def test_zero3_reads_only_its_partitions_of_pretrained_weights(tmp_path):
-    """Under zero3 x2 a pretrained model is built on meta and each rank reads only its
-    partitions, straight into DeepSpeed's buffers: the kernel counts about half the weights read
-    by each rank (a whole load per rank reads all of them), and the reading raises the rank's
-    resident high-water mark by far less than the weights (a whole copy per rank, read and then
-    partitioned, raises it by all of them). The whole job's high-water mark is not compared with
-    a random init's: at this size it varies by about the weights from run to run."""
+    """Under zero3 x2 in bf16-mixed a pretrained model is built on meta and each rank reads only
+    its partitions, straight into DeepSpeed's buffers: the kernel counts about half the weights
+    read by each rank (a whole load per rank reads all of them), and the reading raises the
+    rank's resident high-water mark by far less than the weights (a whole copy per rank, read
+    and then partitioned, raises it by all of them). DeepSpeed's engine is handed the model
+    already cut into ZeRO-3 partitions: a model it receives whole it casts to bf16 whole and, on
+    a GPU, moves to the device whole on every rank. The whole job's high-water mark is not
+    compared with a random init's: at this size it varies by about the weights from run to
+    run."""
     directory = llama_dir(tmp_path)
     weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     common = ["strategy=zero3", "trainer.devices=2", "trainer.max_steps=1", *QUIET]
+    common += [
+        "trainer.precision=bf16-mixed",
+        "+callbacks.engine._target_=tests.tasks.EngineInputs",
+    ]
+    common += [f"+callbacks.engine.out={tmp_path}"]
     common += ["task.data.max_bytes=100000", "task.data.batch_size=2", "task.data.block_size=32"]
     common += ["task.data.tokenizer=bytes", "logger=[csv]", "trainer.limit_val_batches=0"]
     result = fw(
@@ -164,4 +172,6 @@ def test_zero3_reads_only_its_partitions_of_pretrained_weights(tmp_path):
         assert abs(report["local_bytes"] - weights / 2) < 0.05 * weights, (report, weights)
         assert report["io_read"] <= report["local_bytes"] + 256 * 1024, (report, weights)
         assert report["peak_rise"] < 0.25 * weights, (report, weights)
+        engine = json.loads((tmp_path / f"engine-rank{rank}.json").read_text())
+        assert engine["partitioned"] and engine["whole_bytes"] < 0.05 * weights, (engine, weights)
     shutil.rmtree(directory)

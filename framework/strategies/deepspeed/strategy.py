@@ -98,7 +98,22 @@ class ZeroStrategy(StrategyBase, DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    def partition_first(self, model) -> None:
+        """ZeRO-3: the model's parameters cut into this rank's partitions before DeepSpeed's
+        engine sees the model (DeepSpeed's zero.Init over a built module, as its optimizer would
+        do later), so the engine neither casts the whole model to low precision nor moves it
+        whole to the device: a parameter is whole on the device only while it is cut, one at a
+        time. The optimizer, built before, keeps the same parameter objects."""
+        if not self.zero_stage_3:
+            return
+        import deepspeed
+
+        deepspeed.zero.Init(
+            module=model, remote_device=self.remote_device, config_dict_or_path=self.config
+        )
+
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        self.partition_first(model)
         if not self.on_cpu:
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
         import deepspeed
@@ -117,6 +132,7 @@ class ZeroStrategy(StrategyBase, DeepSpeedStrategy):
     def _initialize_deepspeed_inference(self, model) -> None:
         """validate/test/predict (no optimizer): Lightning's engine for evaluation, given the
         local rank as `device_rank` on the CPU (Lightning passes the CUDA index, None there)."""
+        self.partition_first(model)
         if not self.on_cpu:
             return super()._initialize_deepspeed_inference(model)
         import deepspeed
