@@ -8,8 +8,8 @@ from framework.preflight.options import take_option
 
 
 def check_command(args: list[str], parse) -> int:
-    """`fw check [--gpu-mem SIZE] [--ranks R,R] OVERRIDES`: prints the per-rank table; exit 2
-    when a rank would fail or not fit."""
+    """`fw check [--gpu-mem SIZE] [--host-mem SIZE] [--ranks R,R] OVERRIDES`: prints the per-rank
+    table; exit 2 when a rank would fail or not fit, or a node's loads would not fit its host."""
     import sys
 
     from framework.preflight.check import check

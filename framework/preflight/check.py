@@ -1,5 +1,6 @@
-"""`fw check OVERRIDES [--gpu-mem SIZE|GPU] [--ranks 0,7,...]`: the job's memory per rank, and
-the failures its workers would meet, found in this one process before anything is queued.
+"""`fw check OVERRIDES [--gpu-mem SIZE|GPU] [--host-mem SIZE] [--ranks 0,7,...]`: the job's
+memory per rank, the failures its workers would meet, and the host memory of its loads and
+export (framework/preflight/phases.py), found in this one process before anything is queued.
 
 The config is composed and validated as `fw train` does, for the machines it names (see
 `plan_job(here=False)`), then representative ranks (the first and last rank of each pipeline
@@ -71,13 +72,12 @@ def check_phases(cfg: DictConfig, plan: JobPlan, report: CheckReport, host: int 
         model = build_task(cfg.task)
     found = phases.phases(cfg, model)
     worst = report.worst
-    own = worst.params + worst.optimizer
-    report.notes += phases.notes(found, own)
+    report.notes += phases.notes(found, worst.params, worst.optimizer)
     if host is None:
         return
     per_node = plan.world.devices
     for phase in found:
-        peak = phases.host_peak(phase, own, not plan.world.is_cuda) * (
+        peak = phases.host_peak(phase, worst.params, worst.optimizer, not plan.world.is_cuda) * (
             1 if phase.name == "export" else per_node
         )
         if peak > host:

@@ -2,11 +2,13 @@
 from a checkpoint (of this layout or another), and `fw export` of its checkpoints.
 
 Every one reads by slices (framework/checkpoint): a rank ends a load holding its own share of
-the state, which the step table already counts (params, optimizer), and holds at most one more
-piece while reading: one saved chunk of a sharded checkpoint, one piece of a tensor read by
-position, one box of a pretrained tensor. These figures come from the checkpoint's and the
-pretrained files' own metadata (nothing is read), so a job whose node would run out of host
-memory on resume shows it before launch (`--host-mem`).
+what it loads, which the step table already counts (a resume: params and optimizer; a pretrained
+load: params), and holds at most one more piece while reading: one saved chunk of a sharded
+checkpoint, one piece of a tensor read by position, one box of a pretrained tensor. `fw export`
+keeps nothing: it holds one whole tensor while a piece of it is read (`export_phase`). These
+figures come from the checkpoint's and the pretrained files' own metadata (nothing is read), so
+a job whose node would run out of host memory on resume shows it before launch (`--host-mem`).
+They count data only, not the code a process loads (Python, torch, the readers' imports).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Phase:
     transient: int  # bytes held at once while reading, beyond what the rank keeps
     whole: int  # bytes of everything read, by all ranks together
     what: str  # what is read, for the message
+    keeps: tuple[str, ...] = ()  # the step table's columns the phase fills (params, optimizer)
 
 
 def phases(cfg: Any, model: Any) -> list[Phase]:
@@ -77,7 +80,7 @@ def resume_phase(ckpt: Path) -> Phase:
         f"resume from {ckpt.name} ({meta.get('format', 'lightning')}, written by "
         f"{meta.get('world_size', 1)} process(es))"
     )
-    return Phase("resume", transient, whole, what)
+    return Phase("resume", transient, whole, what, ("params", "optimizer"))
 
 
 def pretrained_phases(model: Any) -> list[Phase]:
@@ -90,41 +93,59 @@ def pretrained_phases(model: Any) -> list[Phase]:
             largest = max((s.nbytes for s in specs), default=0)
             whole = sum(s.nbytes for s in specs)
             what = f"pretrained load from {getattr(source, 'directory', 'its files')}"
-            found.append(Phase("pretrained load", largest, whole, what))
+            found.append(Phase("pretrained load", largest, whole, what, ("params",)))
     return found
 
 
 def export_phase(model: Any) -> Phase:
-    """`fw export`: one tensor at a time (the hf format: one safetensors shard at a time)."""
+    """`fw export`: one tensor at a time, read whole (a new tensor) while each piece of it is
+    read by position into it (one saved chunk, at most the tensor, at most the reader's PIECE):
+    about twice the largest tensor. The hf format holds one output shard (--max-shard-size)."""
     import torch
+
+    from framework.checkpoint.formats.torchfile import PIECE
 
     sizes = [
         t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t)
     ]
-    return Phase("export", max(sizes, default=0), sum(sizes), "fw export (one process)")
+    largest = max(sizes, default=0)
+    return Phase("export", largest + min(largest, PIECE), sum(sizes), "fw export (one process)")
 
 
-def host_peak(phase: Phase, own: int, on_cpu: bool) -> int:
-    """A rank's host memory at the phase's peak: what it reads at once, plus its own share of
-    the state when that lives on the host (a CPU job)."""
-    return phase.transient + (own if on_cpu and phase.name != "export" else 0)
+def kept(phase: Phase, params: int, optimizer: int) -> int:
+    """The part of a rank's state the phase fills: its params and optimizer (a resume), its
+    params (a pretrained load), nothing (the exporting process)."""
+    return (params if "params" in phase.keeps else 0) + (
+        optimizer if "optimizer" in phase.keeps else 0
+    )
 
 
-def notes(found: list[Phase], own: int) -> list[str]:
+def host_peak(phase: Phase, params: int, optimizer: int, on_cpu: bool) -> int:
+    """A rank's host memory at the phase's peak: what it reads at once, plus what it fills of
+    its own share when that lives on the host (a CPU job)."""
+    return phase.transient + (kept(phase, params, optimizer) if on_cpu else 0)
+
+
+def notes(found: list[Phase], params: int, optimizer: int) -> list[str]:
     """One line per phase: what a rank (the exporting process) holds beyond its own share;
-    `own`: the largest rank's own share of the state (params + optimizer)."""
+    `params`, `optimizer`: the largest rank's share of each (the step table's columns)."""
     lines = []
     for phase in found:
+        own = kept(phase, params, optimizer)
         unit, scale = byte_unit(max(phase.whole, phase.transient, own, 1))
         if phase.name == "export":
             lines.append(
-                f"fw export of this job's checkpoints holds at most {phase.transient / scale:.3f} "
-                f"{unit} at once (one tensor; the model is {phase.whole / scale:.3f} {unit})."
+                f"fw export of this job's checkpoints holds about {phase.transient / scale:.3f} "
+                f"{unit} of data at once: its largest tensor whole and a piece being read into "
+                f"it (--format hf: one output shard, at most --max-shard-size); the model is "
+                f"{phase.whole / scale:.3f} {unit}; the code it loads comes on top."
             )
             continue
+        share = "params and optimizer" if "optimizer" in phase.keeps else "params"
         lines.append(
             f"{phase.what[0].upper()}{phase.what[1:]}: each rank reads only its own part, "
-            f"{own / scale:.3f} {unit} of state, and holds at most {phase.transient / scale:.3f} "
-            f"{unit} more while reading ({phase.whole / scale:.3f} {unit} in all)."
+            f"{own / scale:.3f} {unit} ({share}), and holds at most "
+            f"{phase.transient / scale:.3f} {unit} more while reading "
+            f"({phase.whole / scale:.3f} {unit} in all)."
         )
     return lines
