@@ -23,7 +23,7 @@ usage: fw train [-m] [--config-dir DIR] [--trust] [KEY=VALUE ...]   train (-m: o
                                                   strategy and process count): metrics in
                                                   RUN_DIR/test.csv, predictions in
                                                   RUN_DIR/predictions
-       fw check [--gpu-mem SIZE|GPU] [--ranks R,..] [KEY=VALUE ...]
+       fw check [--gpu-mem SIZE|GPU] [--host-mem SIZE] [--ranks R,..] [KEY=VALUE ...]
                                                   memory per rank and first-step failures of
                                                   the job, for any process count, in this process
        fw plan --gpus N --gpu-mem SIZE|GPU [KEY=VALUE ...]   the layouts that fit, best first
@@ -90,10 +90,12 @@ Nothing is started and nothing is written.
                      (an option of the same name replaces the built-in one)
 """,
     "check": """\
-usage: fw check [--gpu-mem SIZE|GPU] [--ranks R,..] [--config-dir DIR] [KEY=VALUE ...]
+usage: fw check [--gpu-mem SIZE|GPU] [--host-mem SIZE] [--ranks R,..] [--config-dir DIR]
+                [KEY=VALUE ...]
 
 Run one training step of every rank of the job in this process (torch's fake backend, no real
-memory) and print each rank's memory: parameters, gradients, optimizer, activations.
+memory) and print each rank's memory: parameters, gradients, optimizer, activations; under the
+table, the host memory of its pretrained load, its resume (resume=PATH) and `fw export`.
   --gpu-mem SIZE|GPU  simulate that CUDA device (80GB, H100, ...) and refuse a job that does
                       not fit it (exit 2)
   --host-mem SIZE     a node's host memory: refuse a job whose pretrained load, resume or
