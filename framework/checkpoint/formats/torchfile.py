@@ -62,11 +62,13 @@ class TorchFile:
         span = 1 + sum((n - 1) * s for n, s in zip(size, strides, strict=True))
         item = saved.element_size()
         where = base + saved.untyped_storage()._checkpoint_offset
-        data = os.pread(self.fd, span * item, where + first * item)
-        if len(data) != span * item:
+        # read straight into one writable buffer: os.pread's bytes copied into a bytearray held
+        # each piece twice at once
+        data = bytearray(span * item)
+        if os.preadv(self.fd, [data], where + first * item) != len(data):
             raise ValueError(f"{self.path} is shorter than its tensors (truncated?)")
         self.bytes_read += len(data)
-        flat = torch.frombuffer(bytearray(data), dtype=saved.dtype)
+        flat = torch.frombuffer(data, dtype=saved.dtype)
         box = flat.as_strided(size, strides) if size else flat[0]
         out.copy_(box)
 
