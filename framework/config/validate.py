@@ -219,7 +219,9 @@ def check_named_entry(family: str, name: str, entry: Any, world: World) -> None:
             from framework.loggers import targets
 
             cls = import_target(f"{key}._target_", entry._target_)
-            check_arguments(key, cls, targets.checked(key, entry, cls))
+            args = targets.checked(key, entry, cls)
+            check_arguments(key, cls, args)
+            targets.check_forwarded(key, entry._target_, cls, args)
             return
         import_target(f"{key}._target_", entry._target_)
         return
@@ -322,6 +324,8 @@ def matches(value: Any, hint: Any) -> bool:
         return any(matches(value, h) for h in typing.get_args(hint))
     if hint is type(None):
         return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
     if origin in (list, tuple, typing.Sequence, __import__("collections.abc").abc.Sequence):
         return isinstance(value, (list, tuple))
     if origin is dict:
@@ -338,4 +342,5 @@ def matches(value: Any, hint: Any) -> bool:
 
 
 def type_name(hint: Any) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    """`int`, `Optional[int]`, `list[str]` (a generic alias's __name__ drops its arguments)."""
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")

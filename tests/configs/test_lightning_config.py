@@ -18,6 +18,8 @@ from framework.worker import TRAINER_KEYS_SKIPPED
 from tests.conftest import refused
 
 DIGITS = ["task=digits", "trainer.max_steps=2"]
+TB = "+logger.tb._target_=lightning.pytorch.loggers.TensorBoardLogger"
+WANDB = "+logger.w._target_=lightning.pytorch.loggers.WandbLogger"
 
 
 def test_every_trainer_argument_is_a_field_or_the_frameworks():
@@ -43,6 +45,14 @@ def test_every_trainer_argument_is_a_field_or_the_frameworks():
         (["hydra/launcher=submitit_slurm"], "launcher=local|slurm|ray"),
         (["task=gpt", "task.data.max_bytes=100"], "task.data.max_bytes=100: 100 bytes of text"),
         (["task=moe_gpt", "task.model.capacity_factor=0.0"], "must be greater than 0"),
+        # what a logger class takes as **kwargs, checked where Lightning hands it on
+        (
+            [TB, "+logger.tb.bogus=1"],
+            "logger.tb.bogus=1: not an argument of TensorBoardLogger, nor",
+        ),
+        ([TB, "+logger.tb.flush_secs=abc"], "SummaryWriter, which expects Optional[int]"),
+        ([WANDB, "+logger.w.grop=x"], "nor of wandb.init that it passes the rest to. Did you mean"),
+        ([WANDB, "+logger.w.mode=bogus"], "wandb.init, which expects Optional[Literal['online'"),
     ],
 )
 def test_refused_before_anything_is_written(args, message, workdir, monkeypatch, capsys):
@@ -50,6 +60,33 @@ def test_refused_before_anything_is_written(args, message, workdir, monkeypatch,
     base = [] if any(a.startswith("task=") for a in args) else DIGITS
     err = refused([*base, *args, *plain], workdir, monkeypatch, capsys)
     assert message in err, err
+
+
+def test_forwarded_logger_arguments_of_the_right_names_and_types_pass():
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+    from framework.loggers.targets import check_forwarded
+
+    check_forwarded("logger.tb", TB, TensorBoardLogger, {"flush_secs": 5, "comment": "c"})
+    check_forwarded(
+        "logger.w", WANDB, WandbLogger, {"group": "g", "tags": ["a"], "mode": "offline"}
+    )
+
+
+def test_a_logger_class_whose_package_is_missing_is_refused(workdir, monkeypatch, capsys):
+    """CometLogger raised ModuleNotFoundError in every worker, after the run directory was made."""
+    from framework.loggers import targets
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'comet_ml'", name="comet_ml")
+
+    entry = targets.FORWARDS["lightning.pytorch.loggers.comet.CometLogger"]
+    monkeypatch.setitem(
+        targets.FORWARDS, "lightning.pytorch.loggers.comet.CometLogger", (missing, *entry[1:])
+    )
+    comet = "+logger.c._target_=lightning.pytorch.loggers.CometLogger"
+    err = refused([*DIGITS, comet], workdir, monkeypatch, capsys)
+    assert "CometLogger needs the package 'comet_ml', which is not installed" in err, err
 
 
 def test_a_gpt_corpus_file_smaller_than_a_block_is_refused(workdir, monkeypatch, capsys):
