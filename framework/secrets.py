@@ -67,8 +67,13 @@ def key_pattern(extra: Iterable[str] = ()) -> re.Pattern[str]:
 SECRET = key_pattern()
 
 
+# `run.secret_keys` holds key names, not secrets: written as it is, so a process reading the
+# run's config.yaml knows them (a '***' in its place was compiled as a pattern and failed)
+NAMES_OF_SECRETS = "secret_keys"
+
+
 def is_secret_key(key: Any, pattern: re.Pattern[str] = SECRET) -> bool:
-    return bool(pattern.search(str(key)))
+    return str(key) != NAMES_OF_SECRETS and bool(pattern.search(str(key)))
 
 
 def redact(

@@ -180,3 +180,15 @@ def test_a_search_over_a_secret_key_is_refused_before_anything_is_written(
     err = capsys.readouterr().err
     assert "+extra.api_token=***: a search over a secret" in err, err
     assert "tok-" not in err and not (workdir / "search").exists()
+
+
+def test_run_secret_keys_is_written_as_the_names_it_holds():
+    """`run.secret_keys` names keys, it holds no secret: written as it is (a '***' in its place
+    left a process reading config.yaml with a pattern that does not compile), while the keys it
+    names are redacted."""
+    cfg = {"run": {"secret_keys": ["signing_.*"]}, "extra": {"signing_salt": "s3cr3t-salt"}}
+    pattern = secrets.key_pattern(cfg["run"]["secret_keys"])
+    written = secrets.redact(cfg, pattern, values=[])
+    assert written["run"]["secret_keys"] == ["signing_.*"]
+    assert written["extra"]["signing_salt"] == secrets.REDACTED
+    assert secrets.key_pattern(written["run"]["secret_keys"]).search("signing_salt")
