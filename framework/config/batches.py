@@ -35,7 +35,10 @@ def check_batches(trainer: Any, data: Any, ranks: int) -> None:
     train_key = "trainer.overfit_batches" if overfit else "trainer.limit_train_batches"
     train_limit = overfit if overfit else trainer.get("limit_train_batches")
     batches = limited(train_key, train, train_limit, ranks)
-    if batches == 0:
+    # limit_train_batches=0: no training asked for (fw train refuses it in check_trainer; an
+    # evaluation trains nothing), so an empty epoch says nothing of the batch size
+    no_training = train_limit == 0 and not isinstance(train_limit, bool)
+    if batches == 0 and not no_training:
         raise ConfigError(
             "task.data",
             type(data).__name__,
@@ -50,7 +53,8 @@ def check_batches(trainer: Any, data: Any, ranks: int) -> None:
             val_limit,
             ranks,
         )
-    check_val_interval(trainer, batches, val_limit)
+    if not no_training:
+        check_val_interval(trainer, batches, val_limit)
 
 
 LIMITS = ("val_check_interval", "limit_train_batches", "limit_val_batches", "overfit_batches")

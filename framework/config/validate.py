@@ -85,6 +85,21 @@ def check_trainer(cfg: DictConfig) -> None:
     if not (isinstance(fast, bool) or (isinstance(fast, int) and fast >= 0)):
         raise ConfigError("trainer.fast_dev_run", fast, "expected true, false or a number >= 0")
     check_max_time(trainer.max_time)
+    limit = trainer.limit_train_batches
+    if (
+        cfg.get("command", "fit") == "fit"
+        and limit == 0
+        and not isinstance(limit, bool)
+        and not fast
+        and not trainer.overfit_batches
+    ):
+        raise ConfigError(
+            "trainer.limit_train_batches",
+            limit,
+            "training on no batches does nothing",
+            hint="To evaluate a run or a checkpoint, use fw validate RUN or fw test RUN "
+            "(fw predict RUN for its outputs), with overrides as for fw train.",
+        )
     if trainer.use_distributed_sampler is not None and cfg.task.data_order == "global":
         raise ConfigError(
             "trainer.use_distributed_sampler",

@@ -47,6 +47,11 @@ CASES = {
         [*GPT, "trainer.overfit_batches=0.001"],
         "trainer.overfit_batches=0.001: keeps no batch",
     ),
+    "no training batches": (  # a way to evaluate that never was one: say which is
+        [*GPT, "trainer.limit_train_batches=0"],
+        "trainer.limit_train_batches=0: training on no batches does nothing. To evaluate a run "
+        "or a checkpoint, use fw validate RUN or fw test RUN",
+    ),
     "a batch larger than the data": (
         [*GPT, "task.data.batch_size=100000", "trainer.val_check_interval=1"],
         "its train_dataloader gives no batch to a data-parallel rank (of 1)",
@@ -81,6 +86,8 @@ def test_the_limits_lightning_accepts_pass(gpt_data):
     check_batches(trainer(val_check_interval=1000, limit_val_batches=0), gpt_data, 1)
     check_batches(trainer(val_check_interval=1000, fast_dev_run=2), gpt_data, 1)
     check_batches(trainer(limit_train_batches=0.003), gpt_data, 1)  # 1.1 batches: one
+    # fw validate/test/predict train nothing: no training batches blame no batch size
+    check_batches(trainer(limit_train_batches=0, val_check_interval=5), gpt_data, 1)
 
 
 def test_an_iterable_dataset_takes_no_fraction_of_an_epoch():
