@@ -63,7 +63,9 @@ else the newest complete one, or the checkpoint directory given; any layout is r
 strategy and process count.
   --config-dir DIR   another directory of config groups (replacing built-in options of the
                      same name)
-  --trust            read a checkpoint whose pickles name more than data (docs/security.md)
+  --trust            use the run as it is: a checkpoint whose pickles name more than data, and
+                     classes, plugins or shell lines its config names that your own config
+                     groups and command line do not (docs/security.md)
   --cfg job|all      print the config it would run with, as fw config does, and stop
 """
 EVALUATION_WHAT = {
@@ -303,7 +305,7 @@ def evaluation_command(
         from framework.help import render_config
 
         ckpt, _, saved = evaluate.locate(sources[0])
-        cfg = evaluate.evaluation_config(saved, overrides, dirs)
+        cfg = evaluate.evaluation_config(saved, overrides, dirs, trust)
         cfg.command = command
         sys.stdout.write(render_config(cfg))
         return 0

@@ -30,8 +30,9 @@ def mlflow_metrics(db) -> dict[str, float]:
 
 
 def test_loggers_by_class_and_by_kind_write_their_files_and_follow_the_run(workdir):
-    """TensorBoard and MLflow by `_target_` and as kinds; `fw test` of the run logs to the
-    same MLflow run (found again by its tag) and leaves training's files as they were."""
+    """TensorBoard and MLflow by `_target_` and as kinds; `fw test` of the run, the classes
+    named again, logs to the same MLflow run (found again by its tag) and leaves training's
+    files as they were."""
     run = workdir / "run"
     targets = [
         "+logger.tb._target_=lightning.pytorch.loggers.TensorBoardLogger",
@@ -46,7 +47,12 @@ def test_loggers_by_class_and_by_kind_write_their_files_and_follow_the_run(workd
     assert "train/loss" in mlflow_metrics(run / "mlflow.db"), "the mlflow kind"
     assert "train/loss" in mlflow_metrics(workdir / "own.db"), "MLFlowLogger by class"
     runs_before = sqlite3.connect(run / "mlflow.db").execute("select count(*) from runs").fetchone()
-    result = fw("test", str(run), cwd=workdir)
+    # the classes by name again: a run's config builds only classes your own command line or
+    # config groups name (its config.yaml could be anyone's); --trust would take them as saved
+    refused = fw("test", str(run), cwd=workdir)
+    assert refused.returncode == 2 and "logger.tb._target_=" in refused.stderr, refused.stderr
+    named = [t.lstrip("+") for t in targets if "._target_=" in t]
+    result = fw("test", str(run), *named, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test/acc" in result.stdout and read_results(run, "test")
     assert "test/loss" in mlflow_metrics(run / "mlflow.db")
