@@ -37,7 +37,7 @@ def phases(cfg: Any, model: Any) -> list[Phase]:
     found = []
     ckpt = resume_checkpoint(cfg)
     if ckpt is not None:
-        found.append(resume_phase(ckpt))
+        found.append(resume_phase(ckpt, bool(cfg.run.get("trust_checkpoint", False))))
     if model is not None:
         found += pretrained_phases(model)
         found.append(export_phase(model))
@@ -62,9 +62,10 @@ def resume_checkpoint(cfg: Any) -> Path | None:
     return None
 
 
-def resume_phase(ckpt: Path) -> Phase:
-    from framework.checkpoint import disk, formats
+def resume_phase(ckpt: Path, trust: bool = False) -> Phase:
+    from framework.checkpoint import disk, formats, resume
 
+    resume.check_safe(ckpt, "resume", trust)  # a refusal is an exit 2, as `fw train`'s
     meta = disk.read_meta(ckpt)
     with contextlib.closing(formats.open_checkpoint(ckpt)) as source:
         whole = sum(s.nbytes for s in source.model().values())

@@ -68,6 +68,19 @@ def test_a_resume_onto_more_processes_is_figured_per_rank_from_the_checkpoint(ca
     assert 0 < chunk < whole / 4, figures
 
 
+def test_a_resume_from_a_checkpoint_holding_a_link_is_refused_not_figured(capsys, tmp_path):
+    """The checkpoint is opened as `fw train` would open it: a link inside it is an exit 2 in
+    one paragraph, not a traceback."""
+    import shutil
+
+    ckpt = tmp_path / "dcp"
+    shutil.copytree(DCP, ckpt)
+    (ckpt / "checkpoints" / "step00000010" / "state.ckpt" / "extra").symlink_to("/etc/passwd")
+    code, out, err = run_check([*DIGITS, f"resume={ckpt}"], capsys)
+    assert code == 2 and "is a link" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.slow
 def test_a_pretrained_load_and_an_export_follow_the_models_size(capsys, llamas):
     figures = {}
