@@ -147,7 +147,7 @@ def setup_logging(rank: int | None = None) -> None:
     warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)`.*")
     # an evaluation reads the model only; the checkpoint callback's state serves training
     warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks")
-    # said once by fw train, before launch (framework/config/commands.py)
+    # said once by fw train, before launch (commands.note_unvalidated)
     warnings.filterwarnings("ignore", message=".*`val_dataloader` but have no `validation_step`")
 
 

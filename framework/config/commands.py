@@ -5,7 +5,8 @@ Each evaluation command runs one of the task's step methods on one of the data m
 loaders, as Lightning's Trainer does: `fw validate` validation_step on val_dataloader, `fw test`
 test_step on test_dataloader, `fw predict` predict_step on predict_dataloader. A command whose
 step or loader is missing is refused (exit 2); the last line of `fw train` says how to test the
-run, or which half of a test is missing (a test_step without test data, or the reverse).
+run, or which half of a test is missing (a test_step without test data, or the reverse), and
+before launch it says once when there is validation data but no validation_step.
 """
 
 from __future__ import annotations
@@ -78,6 +79,25 @@ def check_test_after_fit(task_cls: type, data_cls: type) -> None:
     else:
         return
     raise ConfigError("trainer.test_after_fit", True, f"there is no test to run: {problem}")
+
+
+_NOTED: set[tuple[type, type]] = set()  # the pairs said of in this process (a sweep plans many)
+
+
+def note_unvalidated(trainer: Any, task_cls: type, data_cls: type) -> None:
+    """`fw train`, before launch: one line when the data module has validation data the task
+    has no validation_step for (Lightning's own warning, from every worker, is silenced:
+    framework/logs.py)."""
+    if trainer.get("limit_val_batches") == 0 or (task_cls, data_cls) in _NOTED:
+        return
+    if has_data(data_cls, "validate") and not has_step(task_cls, "validate"):
+        _NOTED.add((task_cls, data_cls))
+        log.info(
+            "%s has a val_dataloader but %s defines no validation_step: the run is not "
+            "validated (trainer.limit_val_batches=0 says so without this line)",
+            data_cls.__name__,
+            task_cls.__name__,
+        )
 
 
 def after_fit(task: Any, data: Any, tested: bool) -> str:

@@ -71,6 +71,8 @@ def plan_job(cfg: DictConfig, here: bool = True) -> job_plan.JobPlan:
     for family in NAMED_FAMILIES:
         for name, entry in (cfg.get(family) or {}).items():
             check_named_entry(family, name, entry, world)
+    if cfg.get("command", "fit") == "fit":  # a note, once the job has passed every check
+        commands.note_unvalidated(cfg.trainer, *classes)
     return plan
 
 

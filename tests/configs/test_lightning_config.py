@@ -89,6 +89,26 @@ def test_a_logger_class_whose_package_is_missing_is_refused(workdir, monkeypatch
     assert "CometLogger needs the package 'comet_ml', which is not installed" in err, err
 
 
+def test_validation_data_without_a_validation_step_is_said_once_before_launch(caplog):
+    """Lightning's own warning is silenced in the workers (one per rank); fw train says it."""
+    import logging
+
+    from framework.config import commands
+    from framework.config.validate import plan_job
+
+    plain = ["task._target_=tests.tasks.PlainDigits", "~task.model.hidden", "~task.model.dropout"]
+    commands._NOTED.clear()
+    with caplog.at_level(logging.INFO, logger="framework.config"):
+        for _ in range(2):  # a sweep plans its trials in one process
+            plan_job(compose_config([*DIGITS, *plain]), here=False)
+        plan_job(compose_config(DIGITS), here=False)  # DigitsTask validates
+    said = [r.getMessage() for r in caplog.records if "val_dataloader" in r.getMessage()]
+    assert said == [
+        "DigitsDataModule has a val_dataloader but PlainDigits defines no validation_step: the "
+        "run is not validated (trainer.limit_val_batches=0 says so without this line)"
+    ]
+
+
 def test_a_gpt_corpus_file_smaller_than_a_block_is_refused(workdir, monkeypatch, capsys):
     tiny = workdir.parent / "tiny.txt"
     tiny.write_text("abc")

@@ -92,6 +92,11 @@ def test_a_loader_that_starves_the_step_is_named_in_a_warning(tmp_path):
     assert "Training waits for data" in result.stderr, result.stderr[-3000:]
     assert "the loader of Slow with num_workers=0" in result.stderr
     assert result.stderr.count("Training waits for data") == 1, "once"
+    # the last line names the half of a test that is missing: the data module's
+    assert "Run finished at step 10. Outputs in " in result.stderr
+    assert "; DigitsTask defines test_step but SlowLoadingDigits has no test_dataloader: " in (
+        result.stderr
+    )
     rows = [r for r in read_metrics(tmp_path / "run") if r.get("perf/data_wait_ms")]
     assert rows and all(float(r["perf/data_wait_ms"]) > 32 * 10 * 0.5 for r in rows)
 
