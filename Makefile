@@ -57,6 +57,7 @@ bench: install
 	$(BIN)/python -m benchmarks.startup
 	$(BIN)/python -m benchmarks.memory
 	$(BIN)/python -m benchmarks.strategies
+	$(BIN)/python -m benchmarks.muon
 	$(BIN)/python -m benchmarks.tensor
 	$(BIN)/python -m benchmarks.hf
 	$(BIN)/python -m benchmarks.pipeline
