@@ -220,3 +220,12 @@ def interface_addresses() -> dict[str, str]:
                 continue
             found[name] = socket.inet_ntoa(reply[20:24])
     return found
+
+
+def address_of(host: str) -> str:
+    """The IP address a host name stands for (IPv4 first)."""
+    import socket
+
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return infos[0][4][0]

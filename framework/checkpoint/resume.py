@@ -65,8 +65,9 @@ def check_safe(ckpt: Path, key: str, trust: bool = False) -> None:
     """Refuse a checkpoint that loading could make run code; `trust` (`--trust`) loads its
     pickles anyway. A link inside it is refused either way (every open refuses one; refused
     here, it is an exit 2 before any process starts)."""
+    from framework.checkpoint.formats import check_checkpoint
     from framework.checkpoint.portable import NotPortable
-    from framework.checkpoint.safe import UnsafeCheckpoint, check_checkpoint, check_tree
+    from framework.checkpoint.safe import UnsafeCheckpoint, check_tree
 
     try:
         check_tree(ckpt)

@@ -15,7 +15,7 @@ of every format (framework/checkpoint/formats/) go through these functions only:
   skips it: a resume, an automatic restart, an elastic generation, a SLURM requeue, the loss
   guard's rollback, an export.
 
-`check_checkpoint` runs the same readers over a checkpoint before any process starts (a resume,
+`formats.check_checkpoint` runs the same readers over a checkpoint before any process starts (a resume,
 an automatic restart, `fw export`), so what is checked is what is loaded, and a refusal is an
 exit 2 before anything starts. `trusted` (`fw train --trust`, which sets
 `run.trust_checkpoint=true`, and `fw export --trust`) lifts the restriction for a checkpoint of
@@ -161,18 +161,6 @@ def inside(root: Path, relative: str, what: str) -> Path:
     if not relative or os.sep in relative or relative.startswith(".") or "/" in relative:
         raise UnsafeCheckpoint(f"{what} names {relative!r}, which is not a file of the checkpoint")
     return root / relative
-
-
-def check_checkpoint(ckpt: Path) -> None:
-    """Raise UnsafeCheckpoint unless the checkpoint directory `ckpt` reads as data: its tree
-    (checked by every open, formats.open_checkpoint), then every file its format's reader
-    opens, opened as a load opens them (no tensor data read)."""
-    from framework.checkpoint import formats
-
-    with contextlib.closing(formats.open_checkpoint(ckpt)) as source:
-        source.model()
-        source.optimizers()
-        source.rest()
 
 
 def _unpickler_line(message: str) -> str:

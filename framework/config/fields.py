@@ -10,7 +10,11 @@ OmegaConf's errors about a typed node into a ConfigError.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import os
+import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from framework.errors import ConfigError
@@ -164,3 +168,34 @@ def schema_error(
     if first.startswith("Value "):
         first = "v" + first[1:]
     return ConfigError(where, value, first)
+
+
+def matches(value: Any, hint: Any) -> bool:
+    """A lenient runtime type check for config values (ints pass as floats, lists as tuples)."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return any(matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if origin in (list, tuple, typing.Sequence, Sequence):
+        return isinstance(value, (list, tuple))
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (Path, os.PathLike):
+        return isinstance(value, (str, Path))
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def type_name(hint: Any) -> str:
+    """`int`, `Optional[int]`, `list[str]` (a generic alias's __name__ drops its arguments)."""
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")

@@ -10,7 +10,6 @@ import importlib
 import inspect
 import os
 import typing
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -19,7 +18,7 @@ from framework import lr_scaling
 from framework.config import commands, job_plan
 from framework.config.batches import check_batches
 from framework.config.dry_build import dry_build
-from framework.config.fields import check_fields
+from framework.config.fields import check_fields, matches, type_name
 from framework.config.schema import TRAINER_OWNED
 from framework.errors import ConfigError
 from framework.parallel import float8
@@ -330,34 +329,3 @@ def check_arguments(prefix: str, cls: type, args: Any, skip: tuple[str, ...] = (
                 f"required argument of {cls.__name__} is missing",
                 hint=f"Set it with +{prefix}.{name}=VALUE.",
             )
-
-
-def matches(value: Any, hint: Any) -> bool:
-    """A lenient runtime type check for config values (ints pass as floats, lists as tuples)."""
-    if hint is Any or hint is inspect.Parameter.empty:
-        return True
-    origin = typing.get_origin(hint)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        return any(matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is typing.Literal:
-        return value in typing.get_args(hint)
-    if origin in (list, tuple, typing.Sequence, __import__("collections.abc").abc.Sequence):
-        return isinstance(value, (list, tuple))
-    if origin is dict:
-        return isinstance(value, dict)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint in (Path, os.PathLike):
-        return isinstance(value, (str, Path))
-    if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True
-
-
-def type_name(hint: Any) -> str:
-    """`int`, `Optional[int]`, `list[str]` (a generic alias's __name__ drops its arguments)."""
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")

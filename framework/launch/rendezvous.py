@@ -37,6 +37,7 @@ from typing import Any
 
 from framework.errors import ConfigError
 from framework.stores import derive, keep, signed_backend, signed_store
+from framework.world import address_of
 
 BACKEND = "fw-bound"  # torch's dynamic rendezvous: signed state, stores bound to one address
 DIRECT = "fw-direct"  # one machine, one agent: the store this process holds, no meeting
@@ -152,13 +153,6 @@ def macs_difference(token: str, prefix: str, mine: dict, theirs: dict) -> tuple[
 
 
 # --- torch elastic's rendezvous handlers
-
-
-def address_of(host: str) -> str:
-    """The IP address a host name stands for (IPv4 first)."""
-    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    return infos[0][4][0]
 
 
 def bound_store(address: str, port: int, timeout: timedelta):

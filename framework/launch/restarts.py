@@ -53,7 +53,8 @@ def check_restart(run_dir: Path, ckpt: Path | None) -> None:
     every task reading every file of the checkpoint."""
     import yaml
 
-    from framework.checkpoint.safe import UnsafeCheckpoint, check_checkpoint, check_tree
+    from framework.checkpoint.formats import check_checkpoint
+    from framework.checkpoint.safe import UnsafeCheckpoint, check_tree
 
     if ckpt is None:
         return

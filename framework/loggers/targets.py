@@ -139,7 +139,7 @@ def check_forwarded(key: str, target: str, cls: Any, args: dict[str, Any]) -> No
     **kwargs, are parameters of the callable it hands them to (FORWARDS), with values of their
     type; that callable's package is installed. A class not listed there is left to its own
     signature."""
-    from framework.config.validate import matches, type_name
+    from framework.config.fields import matches, type_name
 
     own = _named(cls)
     extra = {k: v for k, v in args.items() if k not in own}

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from framework.replica_groups import claim_gpu, lighthouse_url
+from framework.world import address_of
 
 log = logging.getLogger("framework.torchft")
 
@@ -86,7 +87,6 @@ class ReplicaSteps:
     def _start_manager(self) -> Any:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-        from framework.launch.rendezvous import address_of
         from framework.replica_groups.heal import HealTransport
 
         cfg = self.cfg

@@ -20,6 +20,7 @@ for); a new one is one module with one such object, added with `register`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,3 +88,13 @@ def open_checkpoint(ckpt: Path, trusted: bool = False) -> Source:
     safe.check_tree(ckpt)
     fmt = of(disk.read_meta(ckpt))
     return fmt.open(ckpt / fmt.state, trusted)
+
+
+def check_checkpoint(ckpt: Path) -> None:
+    """Raise UnsafeCheckpoint unless the checkpoint directory `ckpt` reads as data: its tree
+    (checked by every open), then every file its format's reader opens, opened as a load opens
+    them (no tensor data read)."""
+    with contextlib.closing(open_checkpoint(ckpt)) as source:
+        source.model()
+        source.optimizers()
+        source.rest()
