@@ -52,6 +52,14 @@ def test_the_tutorial_runs_as_written(tutorial):
     assert "exit code 2" in result.stdout.splitlines()
 
 
+def test_the_tutorials_short_runs_print_no_data_wait_or_straggler_warning(tutorial):
+    """A new user's first runs (one epoch of 12-24 steps, on one and two processes): the
+    loader's wait is a fixed cost of well under a millisecond a batch, and nothing straggles."""
+    _, result = tutorial
+    for loud in ("waits for data", "Straggler"):
+        assert loud not in result.stderr + result.stdout, loud
+
+
 def test_the_runs_end_at_the_steps_the_page_gives(tutorial):
     project = tutorial[0] / "my_project"
     assert (project / "runs/one/checkpoints/step00000024").is_dir(), "one epoch of 24 steps"
